@@ -1,0 +1,3 @@
+"""verispec: lossless speculative-decoding inference on PyTorch."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,249 @@
+"""One decoder for llama / qwen2 / qwen3 / gemma3 (our own PyTorch; transformers is the oracle).
+
+Per-family differences come from ModelArgs (config.py) and are visible where they apply:
+  * qwen2: bias on q/k/v                       * qwen3, gemma3: RMSNorm over head_dim on q, k
+  * gemma3: (1 + w) norms cast after the multiply, sandwich norms around attention and
+    MLP, sqrt(hidden) embedding scale, gelu-tanh MLP, query_pre_attn_scalar, interleaved
+    sliding-window layers with their own RoPE base, optional final-logit soft-cap
+  * llama 3.x: rope scaling (config.RopeArgs)
+
+Data path. A forward takes the new tokens of several rows packed flat ([N] ids, [N]
+positions) plus one SequenceKV per row. Projections and MLPs run once over all N tokens;
+attention runs per row against that row's own cache (so rows never pad to each other
+and joining a batch copies nothing). Positions are per token, always. The lm_head runs
+only on the positions listed in `logits_at` (default: each row's last token), and
+hidden states of the layers listed in `taps` are returned (-1 = embedding output, i =
+output of layer i, before the final norm), costing nothing when none are asked.
+
+Speed notes (CPU decode is dominated by per-op host overhead, measured with
+bench/decode.py): q/k/v and gate/up are fused into one matmul each at load time; the
+q- and k-norm weights are laid out per head so one norm op serves both; RoPE is applied
+to q and k in one op; the attention mask is built once per row and layer kind, not per
+layer.
+
+Checked by tests/test_models_vs_transformers.py (tiny random configs of every family:
+float32 logits close to transformers', identical greedy tokens, batched rows of
+different lengths) and tests/test_real_models.py (SmolLM2 and Gemma-3 real weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verispec.engine.kv_cache import KeyPlan, SequenceKV
+from verispec.models.config import ModelArgs, RopeArgs
+
+
+@dataclass
+class BatchKV:
+    """The rows of one forward: each row's cache and how many new tokens it brings."""
+
+    seqs: list[SequenceKV]
+    n_new: list[int]
+
+    def positions(self, device=None) -> torch.Tensor:
+        """Positions of the new tokens, packed flat (each row continues its cache)."""
+        return torch.cat([torch.arange(s.length, s.length + n, device=device) for s, n in zip(self.seqs, self.n_new)])
+
+    def last_indices(self, device=None) -> torch.Tensor:
+        """Flat index of each row's last new token."""
+        ends = torch.tensor(self.n_new, device=device).cumsum(0)
+        return ends - 1
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [len(logits_at), vocab] float32
+    hidden: tuple[torch.Tensor, ...] = field(default=())  # one [N, hidden] per tap, in order asked
+
+
+class RotaryTable:
+    """cos/sin for one RoPE kind, computed in float32 like transformers and grown on
+    demand; looked up by position, so every token carries its own position."""
+
+    def __init__(self, rope: RopeArgs, head_dim: int, dtype: torch.dtype, device):
+        self.inv_freq = rope.inv_freq(head_dim).to(device)
+        self.dtype = dtype
+        self.cos = self.sin = torch.empty(0, head_dim, dtype=dtype, device=device)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        needed = int(positions.max()) + 1
+        if needed > self.cos.shape[0]:
+            self._grow(max(needed, 2 * self.cos.shape[0], 256))
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def _grow(self, size: int) -> None:
+        freqs = torch.arange(size, dtype=torch.float32, device=self.inv_freq.device)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        # rotate_half(x) * sin == x[..., swap halves] * (sign * sin): fold the sign into
+        # the table so applying RoPE is one gather-free roll, two muls and an add.
+        half = emb.shape[-1] // 2
+        sin = emb.sin()
+        sin[:, :half] = -sin[:, :half]
+        self.cos = emb.cos().to(self.dtype)
+        self.sin = sin.to(self.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [N, heads, D]; transformers' rotate_half convention (halves, not pairs)."""
+    return x * cos + torch.roll(x, shifts=x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, window: int | None):
+        super().__init__()
+        H, D = args.hidden_size, args.head_dim
+        self.window = window
+        self.n_q = args.num_heads * D
+        self.n_kv = args.num_kv_heads * D
+        self.attn_norm = nn.Parameter(torch.ones(H))
+        self.qkv = nn.Linear(H, self.n_q + 2 * self.n_kv, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.n_q, H, bias=args.o_proj_bias)
+        self.mlp_norm = nn.Parameter(torch.ones(H))
+        self.gate_up = nn.Linear(H, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down = nn.Linear(args.intermediate_size, H, bias=args.mlp_bias)
+        if args.qk_norm:  # q_norm repeated over q heads, then k_norm over kv heads
+            self.qk_norm = nn.Parameter(torch.ones(args.num_heads + args.num_kv_heads, D))
+        if args.sandwich_norms:
+            self.post_attn_norm = nn.Parameter(torch.ones(H))
+            self.post_mlp_norm = nn.Parameter(torch.ones(H))
+
+
+class Decoder(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        windows = args.layer_windows or (None,) * args.num_layers
+        self.embed = nn.Parameter(torch.zeros(args.vocab_size, args.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(args, w) for w in windows)
+        self.final_norm = nn.Parameter(torch.ones(args.hidden_size))
+        self.lm_head = None if args.tie_word_embeddings else nn.Parameter(torch.zeros(args.vocab_size, args.hidden_size))
+        self._ropes: dict[int | None, RotaryTable] = {}
+        self._act = F.silu if args.activation == "silu" else (lambda x: F.gelu(x, approximate="tanh"))
+        self._scale = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
+
+    # -- small pieces ---------------------------------------------------------------
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm in float32. Llama/qwen cast to the input dtype before the weight;
+        gemma multiplies by (1 + w) in float32 and casts after (its weights are stored
+        with the +1 folded in, see loader.py)."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.args.rms_norm_eps)
+        if self.args.norm_offset:
+            return (xf * weight).to(x.dtype)
+        return weight * xf.to(x.dtype)
+
+    def _rope(self, window: int | None) -> RotaryTable:
+        table = self._ropes.get(window)
+        if table is None:
+            rope = self.args.rope_global if window is None else self.args.rope_local
+            table = self._ropes[window] = RotaryTable(rope, self.args.head_dim, self.dtype, self.device)
+        return table
+
+    def lm_weight(self) -> torch.Tensor:
+        return self.embed if self.lm_head is None else self.lm_head
+
+    # -- forward --------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: BatchKV,
+        positions: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
+        taps: Sequence[int] = (),
+    ) -> ForwardOutput:
+        args = self.args
+        if positions is None:
+            positions = batch.positions(self.device)
+        if logits_at is None:
+            logits_at = batch.last_indices(self.device)
+        plans = [seq.plan(n) for seq, n in zip(batch.seqs, batch.n_new)]
+        rope = {w: self._rope(w).lookup(positions) for w in plans[0]}
+
+        h = F.embedding(input_ids, self.embed)
+        if args.embed_scale != 1.0:
+            h = h * torch.tensor(args.embed_scale, dtype=h.dtype)
+        tapped = {-1: h} if -1 in taps else {}
+        for i, layer in enumerate(self.layers):
+            h = self._layer(layer, h, batch, plans, rope[layer.window], i)
+            if i in taps:
+                tapped[i] = h
+        for seq, n in zip(batch.seqs, batch.n_new):
+            seq.advance(n)
+
+        last = self._norm(h.index_select(0, logits_at), self.final_norm)
+        logits = F.linear(last, self.lm_weight()).float()
+        if args.final_logit_softcap:
+            logits = torch.tanh(logits / args.final_logit_softcap) * args.final_logit_softcap
+        return ForwardOutput(logits, tuple(tapped[t] for t in taps))
+
+    def _layer(self, layer: DecoderLayer, h, batch: BatchKV, plans, rope, index: int) -> torch.Tensor:
+        args = self.args
+        x = self._norm(h, layer.attn_norm)
+        qkv = layer.qkv(x)
+        n_tok = qkv.shape[0]
+        D = args.head_dim
+        qk = qkv[:, : layer.n_q + layer.n_kv].view(n_tok, -1, D)
+        v = qkv[:, layer.n_q + layer.n_kv :].view(n_tok, args.num_kv_heads, D)
+        if args.qk_norm:
+            qk = self._norm(qk, layer.qk_norm)
+        qk = apply_rope(qk, *rope)
+        q, k = qk[:, : args.num_heads], qk[:, args.num_heads :]
+        attn = self._attention(q, k, v, batch, plans, layer.window, index)
+        out = layer.o_proj(attn)
+        if args.sandwich_norms:
+            out = self._norm(out, layer.post_attn_norm)
+        h = h + out
+        x = self._norm(h, layer.mlp_norm)
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        out = layer.down(self._act(gate) * up)
+        if args.sandwich_norms:
+            out = self._norm(out, layer.post_mlp_norm)
+        return h + out
+
+    def _attention(self, q, k, v, batch: BatchKV, plans, window, index: int) -> torch.Tensor:
+        """Per row: write the row's new K/V into its cache, attend over its keys."""
+        outs = []
+        offset = 0
+        for seq, n, plan in zip(batch.seqs, batch.n_new, plans):
+            rows = slice(offset, offset + n)
+            offset += n
+            outs.append(self._attend_row(q[rows], k[rows], v[rows], seq, plan[window], index))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        return out.reshape(out.shape[0], -1)
+
+    def _attend_row(self, q, k_new, v_new, seq: SequenceKV, plan: KeyPlan, index: int) -> torch.Tensor:
+        cache_k, cache_v = seq.keys[index], seq.values[index]
+        k_new, v_new = k_new.transpose(0, 1), v_new.transpose(0, 1)  # [kv_heads, n, D]
+        if plan.gather is None:
+            cache_k[:, plan.write] = k_new
+            cache_v[:, plan.write] = v_new
+            keys, values = cache_k[:, : plan.n_view], cache_v[:, : plan.n_view]
+        else:  # long chunk after a sliding ring wrapped: older window + new, then write
+            keys = torch.cat([cache_k[:, plan.gather], k_new], dim=1)
+            values = torch.cat([cache_v[:, plan.gather], v_new], dim=1)
+            cache_k[:, plan.write] = k_new[:, plan.write_from :]
+            cache_v[:, plan.write] = v_new[:, plan.write_from :]
+        out = self._sdpa(q.transpose(0, 1), keys, values, plan.mask)  # [heads, n, D]
+        return out.transpose(0, 1)
+
+    def _sdpa(self, q, keys, values, mask):
+        return F.scaled_dot_product_attention(
+            q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=self._scale, enable_gqa=True
+        )[0]

@@ -1,0 +1,140 @@
+"""Load a Hugging Face model folder (config.json + *.safetensors) into our Decoder.
+
+Only safetensors are read (never pickles, never remote code). Sharded checkpoints are
+found through `model.safetensors.index.json`. Weights are renamed from transformers'
+names and fused as decoder.py expects (q/k/v -> qkv, gate/up -> gate_up, q_norm/k_norm
+-> one per-head table, gemma's (1 + w) folded into the stored norm weights).
+
+`load_model(spec)` accepts a registry name, a folder, a .gguf file or a hub id; see
+registry.resolve_model. Checked by tests/test_models_vs_transformers.py, which saves a
+transformers model with save_pretrained and loads it back through here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from verispec.models.config import ModelArgs, from_hf_config
+from verispec.models.decoder import Decoder
+
+
+class ModelFilesError(FileNotFoundError):
+    """A model folder is missing files we need."""
+
+
+def read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelFilesError(f"{folder}: no config.json (is this a Hugging Face model folder?)")
+    return json.loads(path.read_text())
+
+
+def safetensor_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / s for s in shards]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    missing = [str(f) for f in files if not f.is_file()]
+    if not files or missing:
+        what = ", ".join(missing) if missing else "no *.safetensors files"
+        raise ModelFilesError(f"{folder}: {what} (only safetensors weights are loaded; pickles never are)")
+    return files
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in safetensor_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+_LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.(.+)$")
+
+
+def _strip_prefix(name: str) -> str:
+    for prefix in ("model.language_model.", "language_model.model.", "model."):
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
+
+
+def _gemma_norm(w: torch.Tensor) -> torch.Tensor:
+    # transformers' Gemma3RMSNorm multiplies by (1 + w) in float32: fold the 1 in once.
+    return w.float() + 1.0
+
+
+def convert_state_dict(args: ModelArgs, hf: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """transformers' tensor names -> Decoder state dict (fused, renamed, cast)."""
+    norm = _gemma_norm if args.norm_offset else (lambda w: w)
+    # gemma keeps norm weights in float32 (the multiply happens there); others in dtype
+    norm_dtype = torch.float32 if args.norm_offset else dtype
+    names = {_strip_prefix(k): v for k, v in hf.items()}
+    out: dict[str, torch.Tensor] = {}
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            return names.pop(name)
+        except KeyError:
+            raise ModelFilesError(f"checkpoint has no tensor {name!r}") from None
+
+    out["embed"] = take("embed_tokens.weight").to(dtype)
+    out["final_norm"] = norm(take("norm.weight")).to(norm_dtype)
+    lm_head = names.pop("lm_head.weight", None) if "lm_head.weight" in names else hf.get("lm_head.weight")
+    if not args.tie_word_embeddings:
+        if lm_head is None:
+            raise ModelFilesError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
+        out["lm_head"] = lm_head.to(dtype)
+
+    for i in range(args.num_layers):
+        p = f"layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        out[p + "attn_norm"] = norm(take(p + "input_layernorm.weight")).to(norm_dtype)
+        if args.sandwich_norms:
+            out[p + "post_attn_norm"] = norm(take(p + "post_attention_layernorm.weight")).to(norm_dtype)
+            out[p + "mlp_norm"] = norm(take(p + "pre_feedforward_layernorm.weight")).to(norm_dtype)
+            out[p + "post_mlp_norm"] = norm(take(p + "post_feedforward_layernorm.weight")).to(norm_dtype)
+        else:
+            out[p + "mlp_norm"] = norm(take(p + "post_attention_layernorm.weight")).to(norm_dtype)
+        out[p + "qkv.weight"] = torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]).to(dtype)
+        if args.attention_bias:
+            out[p + "qkv.bias"] = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"]).to(dtype)
+        out[p + "o_proj.weight"] = take(a + "o_proj.weight").to(dtype)
+        if args.o_proj_bias:
+            out[p + "o_proj.bias"] = take(a + "o_proj.bias").to(dtype)
+        if args.qk_norm:
+            qn = norm(take(a + "q_norm.weight")).to(norm_dtype)
+            kn = norm(take(a + "k_norm.weight")).to(norm_dtype)
+            out[p + "qk_norm"] = torch.cat([qn.expand(args.num_heads, -1), kn.expand(args.num_kv_heads, -1)])
+        out[p + "gate_up.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]).to(dtype)
+        out[p + "down.weight"] = take(m + "down_proj.weight").to(dtype)
+        if args.mlp_bias:
+            out[p + "gate_up.bias"] = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")]).to(dtype)
+            out[p + "down.bias"] = take(m + "down_proj.bias").to(dtype)
+    return out
+
+
+def build_model(args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu") -> Decoder:
+    with torch.device("meta"):
+        model = Decoder(args)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.to(device)
+    model.eval()
+    # nn.Linear parameters arrived by assign=True; keep the non-linear tensors in the
+    # dtype convert_state_dict chose (gemma norms stay float32)
+    return model.requires_grad_(False)
+
+
+def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> Decoder:
+    folder = Path(folder)
+    args = from_hf_config(read_config(folder))
+    state = convert_state_dict(args, read_tensors(folder), dtype)
+    return build_model(args, state, dtype, device)

@@ -1,0 +1,81 @@
+"""Tiny random-weight transformers models of every family we implement (the oracle),
+saved with save_pretrained so our loader reads them exactly as it reads real folders."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
+
+VOCAB = 97
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    # a wide init makes logits spread out, so greedy comparisons are not decided by ties
+    initializer_range=0.2,
+)
+
+
+def family_configs() -> dict:
+    gemma_layers = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    return {
+        "llama": LlamaConfig(**COMMON, tie_word_embeddings=False),
+        "llama3-rope-scaling": LlamaConfig(
+            **COMMON,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+        "qwen2": Qwen2Config(**COMMON),
+        "qwen3": Qwen3Config(**COMMON, tie_word_embeddings=False),
+        "gemma3": Gemma3TextConfig(
+            **{**COMMON, "num_hidden_layers": 4},
+            sliding_window=8,
+            layer_types=gemma_layers,
+            query_pre_attn_scalar=24,
+        ),
+        "gemma3-softcap": Gemma3TextConfig(
+            **{**COMMON, "num_hidden_layers": 4},
+            sliding_window=6,
+            layer_types=gemma_layers,
+            query_pre_attn_scalar=16,
+            final_logit_softcapping=3.0,
+            attn_logit_softcapping=5.0,  # set, yet ignored by transformers and by us
+        ),
+    }
+
+
+def build_reference(config, folder, seed: int = 0):
+    """A transformers model with random weights (norm weights too, so the (1 + w)
+    convention is exercised), saved to `folder`; returned in eval mode, eager attention."""
+    torch.manual_seed(seed)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(folder)
+    return model
+
+
+def reference_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def reference_greedy(model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(ids) :].tolist()
