@@ -75,7 +75,16 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0].float()
 
 
-def reference_greedy(model, ids: list[int], n: int) -> list[int]:
+def reference_greedy(model, ids: list[int], n: int, stop_ids=()) -> list[int]:
+    """transformers' forward with its own KV cache, argmax each step. A hand loop rather
+    than generate(): generate's min_new_tokens would mask EOS and change the argmax."""
+    out: list[int] = []
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(ids) :].tolist()
+        step = model(torch.tensor([ids]), use_cache=True)
+        for _ in range(n):
+            token = int(step.logits[0, -1].argmax())
+            if token in stop_ids:
+                break
+            out.append(token)
+            step = model(torch.tensor([[token]]), past_key_values=step.past_key_values, use_cache=True)
+    return out

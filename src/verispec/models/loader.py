@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -138,3 +139,25 @@ def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32, device="
     args = from_hf_config(read_config(folder))
     state = convert_state_dict(args, read_tensors(folder), dtype)
     return build_model(args, state, dtype, device)
+
+
+@dataclass
+class LoadedModel:
+    """A ready model: weights, tokenizer, stop ids and where it came from."""
+
+    model: Decoder
+    tokenizer: object
+    folder: Path
+    stop_ids: list[int]
+    name: str
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.float32, device="cpu", progress: bool = True) -> LoadedModel:
+    """Registry name, HF folder, .gguf file or hub id -> LoadedModel."""
+    from verispec.models.registry import resolve_model
+    from verispec.models.tokenizer import load_tokenizer, stop_token_ids
+
+    folder = resolve_model(spec, progress=progress)
+    model = load_folder(folder, dtype=dtype, device=device)
+    tokenizer = load_tokenizer(folder)
+    return LoadedModel(model, tokenizer, folder, stop_token_ids(folder, tokenizer), spec)

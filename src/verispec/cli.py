@@ -1,0 +1,155 @@
+"""`verispec` command line: generate, pull, models.
+
+User mistakes (unknown model, missing files, bad sampling values, a prompt longer than
+the context window) end with one line on stderr and exit code 2 — never a traceback.
+Set VERISPEC_DEBUG=1 to see the traceback anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+DEFAULT_PROMPT_HELP = "the prompt text ('-' or omitted: read stdin)"
+
+EPILOG = """\
+examples:
+  verispec generate "Write a haiku about tokens."          chat prompt, default model
+  verispec generate --system "Answer in French." "Hi"      with a system message
+  verispec generate --raw "The capital of France is"       plain completion, no template
+  verispec generate -m gemma3-270m --raw --max-tokens 64 "Once upon a time"
+  verispec generate --temperature 0.8 --top-p 0.95 --seed 7 "Tell me a story"
+  verispec models                                           list the embedded models
+  verispec pull gemma3-270m                                 fetch + convert once
+
+models (-m): an embedded model name (see `verispec models`), a Hugging Face folder
+(config.json + *.safetensors + tokenizer), a .gguf file, or a hub id when online.
+"""
+
+
+class UserError(Exception):
+    """A mistake the user can fix; printed as one line."""
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (defaults: greedy)")
+    g.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default 0)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL-style penalty (1 = off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty, -2..2")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty, -2..2")
+    g.add_argument(
+        "--logit-bias", action="append", default=[], metavar="ID:BIAS", help="add BIAS (-100..100) to token ID; repeatable"
+    )
+    g.add_argument("--seed", type=int, default=None, help="reproducible sampling (default: a fresh random seed)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N", help="print each token's logprob and N alternatives")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="verispec",
+        description="Lossless speculative-decoding LLM inference on PyTorch.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    gen = sub.add_parser(
+        "generate",
+        help="generate text from a prompt, streaming to the terminal",
+        description="Generate text, streaming it to stdout; a stats line goes to stderr.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    gen.add_argument("prompt", nargs="?", default="-", help=DEFAULT_PROMPT_HELP)
+    gen.add_argument("--model", "-m", default=None, help="model name, folder, .gguf or hub id (default: smollm2-135m-instruct)")
+    mode = gen.add_mutually_exclusive_group()
+    mode.add_argument("--chat", action="store_true", help="render the prompt with the chat template (default when the model has one)")
+    mode.add_argument("--raw", action="store_true", help="send the prompt as plain text, no chat template")
+    gen.add_argument("--system", default=None, help="system message (implies --chat)")
+    gen.add_argument("--messages", default=None, metavar="FILE", help="a JSON list of {role, content} messages (implies --chat)")
+    gen.add_argument("--max-tokens", "-n", type=int, default=256, help="maximum new tokens (default 256)")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights/compute dtype (default float32)")
+    gen.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    gen.add_argument("--quiet-stats", action="store_true", help="do not print the closing stats line")
+    _add_sampling_args(gen)
+
+    sub.add_parser("models", help="list the embedded models and whether they are cached")
+    pull = sub.add_parser("pull", help="fetch and convert an embedded model into the cache")
+    pull.add_argument("name", nargs="?", default=None, help="model name (default: smollm2-135m-instruct)")
+    pull.add_argument("--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one line for user mistakes, see _is_user_error
+        if os.environ.get("VERISPEC_DEBUG") or not _is_user_error(e):
+            raise
+        print(f"verispec: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _is_user_error(e: Exception) -> bool:
+    from verispec.engine.kv_cache import CacheError
+    from verispec.models.config import UnsupportedModelError
+    from verispec.models.loader import ModelFilesError
+    from verispec.models.registry import RegistryError
+
+    return isinstance(e, (UserError, ValueError, CacheError, UnsupportedModelError, ModelFilesError, RegistryError, OSError))
+
+
+def _dispatch(args) -> int:
+    from verispec.models import registry
+
+    if args.command == "models":
+        return registry.cmd_models()
+    if args.command == "pull":
+        return registry.cmd_pull(args.name or registry.DEFAULT_MODEL, progress=not args.quiet)
+    if args.command == "generate":
+        from verispec.generate_cli import run_generate
+
+        return run_generate(args)
+    raise UserError(f"unknown command {args.command!r}")
+
+
+def parse_logit_bias(items: list[str]) -> dict[int, float]:
+    bias = {}
+    for item in items:
+        token, sep, value = item.partition(":")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise UserError(f"--logit-bias expects ID:BIAS, got {item!r}") from None
+        if not sep:
+            raise UserError(f"--logit-bias expects ID:BIAS, got {item!r}")
+    return bias
+
+
+def read_messages(path: str) -> list[dict]:
+    try:
+        messages = json.loads(open(path).read())
+    except FileNotFoundError:
+        raise UserError(f"--messages: no such file: {path}") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"--messages: {path} is not valid JSON ({e})") from None
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        raise UserError("--messages: expected a JSON list of {\"role\": ..., \"content\": ...} objects")
+    return messages
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""`verispec generate`: one prompt, streamed to the terminal, with a closing stats line."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from verispec.cli import UserError, parse_logit_bias, read_messages
+from verispec.engine.detokenize import StreamDetokenizer
+from verispec.engine.generate import GenerationStats, TokenEvent, stream_generate
+from verispec.engine.sampling import SamplingParams, make_generator, process_logits, sample, token_logprobs
+
+
+def sampling_params_from_args(args) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logit_bias=parse_logit_bias(args.logit_bias),
+        seed=args.seed,
+        logprobs=args.logprobs,
+    )
+
+
+def make_sampler(params: SamplingParams, prompt_ids: list[int]):
+    """A per-request `sampler(logits[V], generated) -> TokenEvent` for stream_generate."""
+    generator = None if params.is_greedy else make_generator(params.seed)
+
+    def pick(logits: torch.Tensor, generated: list[int]) -> TokenEvent:
+        row = logits.unsqueeze(0)
+        processed = process_logits(row, [params], [prompt_ids], [generated])
+        token = sample(processed, [params], [generator])
+        event = TokenEvent(int(token[0]))
+        if params.logprobs is not None:
+            lp = token_logprobs(row, token, params.logprobs)
+            event.logprob = float(lp.chosen[0])
+            event.top_logprobs = list(zip(lp.top_ids[0].tolist(), lp.top_logprobs[0].tolist()))
+        return event
+
+    return pick
+
+
+def build_prompt(args, loaded) -> list[int]:
+    from verispec.models.tokenizer import encode_chat, encode_prompt, has_chat_template
+
+    tokenizer = loaded.tokenizer
+    text = args.prompt
+    if args.messages is None and text == "-":
+        if sys.stdin.isatty():
+            raise UserError("no prompt given (pass it as an argument, or pipe it on stdin)")
+        text = sys.stdin.read()
+    use_chat = args.chat or args.system is not None or args.messages is not None
+    if not args.raw and not use_chat:
+        use_chat = has_chat_template(tokenizer)
+    if use_chat:
+        messages = read_messages(args.messages) if args.messages else []
+        if args.system is not None:
+            messages.insert(0, {"role": "system", "content": args.system})
+        if args.messages is None or text != "-":
+            messages.append({"role": "user", "content": text})
+        ids = encode_chat(tokenizer, messages)
+    else:
+        ids = encode_prompt(tokenizer, text)
+    if not ids:
+        raise UserError("the prompt is empty")
+    return ids
+
+
+def check_context(n_prompt: int, max_tokens: int, context: int) -> int:
+    """The number of new tokens that fit; the prompt itself must leave room for one."""
+    if max_tokens <= 0:
+        raise UserError(f"--max-tokens must be positive, got {max_tokens}")
+    if n_prompt >= context:
+        raise UserError(f"the prompt is {n_prompt} tokens; the model's context window is {context} tokens")
+    return min(max_tokens, context - n_prompt)
+
+
+def run_generate(args) -> int:
+    from verispec.models.loader import load_model
+    from verispec.models.registry import DEFAULT_MODEL
+
+    params = sampling_params_from_args(args)
+    if args.max_tokens <= 0:
+        raise UserError(f"--max-tokens must be positive, got {args.max_tokens}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args.model or DEFAULT_MODEL, dtype=getattr(torch, args.dtype))
+    prompt = build_prompt(args, loaded)
+    max_new = check_context(len(prompt), args.max_tokens, loaded.model.args.max_position_embeddings)
+
+    stats = GenerationStats()
+    detok = StreamDetokenizer(loaded.tokenizer)
+    events = []
+    out = sys.stdout
+    for event in stream_generate(loaded.model, prompt, max_new, make_sampler(params, prompt), loaded.stop_ids, stats=stats):
+        out.write(detok.push(event.token))
+        out.flush()
+        events.append(event)
+    out.write(detok.flush() + "\n")
+    out.flush()
+    if params.logprobs is not None:
+        print_logprobs(loaded.tokenizer, events)
+    if not args.quiet_stats:
+        print(format_stats(stats), file=sys.stderr)
+    return 0
+
+
+def print_logprobs(tokenizer, events: list[TokenEvent]) -> None:
+    for event in events:
+        alts = "  ".join(f"{tokenizer.decode([t])!r}:{lp:.3f}" for t, lp in event.top_logprobs)
+        print(f"{tokenizer.decode([event.token])!r:>16} {event.logprob:8.3f}   {alts}", file=sys.stderr)
+
+
+def format_stats(s: GenerationStats) -> str:
+    return (
+        f"[prompt {s.prompt_tokens} tok | TTFT {s.prefill_s * 1000:.0f} ms ({s.prefill_tok_s:.0f} tok/s prefill) | "
+        f"{s.generated_tokens} tok at {s.decode_tok_s:.1f} tok/s decode | finish: {s.finish_reason}]"
+    )
