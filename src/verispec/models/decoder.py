@@ -141,6 +141,11 @@ class Decoder(nn.Module):
         """RMSNorm in float32. Llama/qwen cast to the input dtype before the weight;
         gemma multiplies by (1 + w) in float32 and casts after (its weights are stored
         with the +1 folded in, see loader.py)."""
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
+            # one fused op instead of six: the same math when nothing is cast
+            if weight.dim() == 1:
+                return F.rms_norm(x, weight.shape, weight, self.args.rms_norm_eps)
+            return F.rms_norm(x, weight.shape[-1:], None, self.args.rms_norm_eps) * weight  # per-head q/k norms
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.args.rms_norm_eps)
         if self.args.norm_offset:

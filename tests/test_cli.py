@@ -1,0 +1,71 @@
+"""`verispec` CLI: user mistakes are one line and exit 2; generate streams text and stats."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from verispec.cli import main
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "verispec.cli", *argv], capture_output=True, text=True, timeout=600)
+
+
+def test_missing_model_path_is_one_line(tmp_path, capsys):
+    assert main(["generate", "-m", str(tmp_path / "nope"), "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("verispec: error:") and "no such file" in err and "\n" not in err
+
+
+def test_unknown_architecture_names_model_type(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 8}))
+    assert main(["generate", "-m", str(tmp_path), "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "'mamba'" in err and "llama" in err and "gemma3_text" in err
+
+
+def test_folder_without_weights_says_so(tmp_path, capsys):
+    cfg = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+           "num_hidden_layers": 1, "num_attention_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["generate", "-m", str(tmp_path), "hi"]) == 2
+    assert "safetensors" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, field",
+    [(["--temperature", "-1"], "temperature"), (["--top-p", "0"], "top_p"), (["--max-tokens", "0"], "max-tokens"),
+     (["--logit-bias", "abc"], "logit-bias")],
+)
+def test_bad_sampling_values_name_the_field(flags, field, capsys):
+    assert main(["generate", *flags, "hi"]) == 2
+    assert field in capsys.readouterr().err
+
+
+def test_help_teaches():
+    out = _run("generate", "--help").stdout
+    for expected in ("--system", "--raw", "--max-tokens", "--temperature", "examples:", "verispec models"):
+        assert expected in out
+
+
+@pytest.mark.real_model
+def test_generate_streams_text_and_stats(smollm2_folder):
+    proc = _run("generate", "-m", str(smollm2_folder), "--max-tokens", "12", "What is 2 + 2?")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip(), "some text was generated"
+    assert "Traceback" not in proc.stderr
+    stats = proc.stderr.strip().splitlines()[-1]
+    assert "prompt" in stats and "TTFT" in stats and "tok/s decode" in stats
+
+
+@pytest.mark.real_model
+def test_prompt_longer_than_context_is_one_line(smollm2_folder, capsys):
+    context = json.loads((smollm2_folder / "config.json").read_text())["max_position_embeddings"]
+    long_prompt = "word " * (context + 10)
+    assert main(["generate", "-m", str(smollm2_folder), "--raw", long_prompt]) == 2
+    err = capsys.readouterr().err
+    assert "context window" in err and str(context) in err
