@@ -41,11 +41,14 @@ def measure_bandwidth(threads: int) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def weight_bytes_per_token(model) -> int:
-    """Bytes of weights a decode step reads: every matrix once, plus the lm_head (the
-    tied embedding is read in full by the lm_head; the embedding lookup is one row)."""
-    total = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name != "embed")
-    return total + model.lm_weight().numel() * model.lm_weight().element_size()
+def weight_bytes_per_token(args, dtype: torch.dtype) -> int:
+    """Bytes of weights a decode step reads: every matrix once plus the lm_head (which
+    reads the whole vocabulary table; the embedding lookup reads one row). Norms and
+    the KV cache are a rounding error at these prompt lengths."""
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    per_layer = args.hidden_size * (q + 2 * kv) + q * args.hidden_size + 3 * args.hidden_size * args.intermediate_size
+    elements = args.num_layers * per_layer + args.vocab_size * args.hidden_size
+    return elements * (torch.finfo(dtype).bits // 8)
 
 
 def run_ours(loaded, prompt_ids, n_new):
@@ -108,6 +111,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--skip-unpacked", action="store_true", help="skip our rows without oneDNN weight packing")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -121,6 +125,11 @@ def main() -> None:
     prompt_ids = encode_chat(fp32.tokenizer, [{"role": "user", "content": PROMPT}])
     engines["verispec fp32"] = lambda: run_ours(fp32, prompt_ids, args.new_tokens)
     engines["verispec bf16"] = lambda: run_ours(bf16, prompt_ids, args.new_tokens)
+    if not args.skip_unpacked:  # the same decoder on plain F.linear: what packing buys
+        fp32_plain = load_model("smollm2-135m-instruct", dtype=torch.float32, pack=False)
+        bf16_plain = load_model("smollm2-135m-instruct", dtype=torch.bfloat16, pack=False)
+        engines["verispec fp32 F.linear"] = lambda: run_ours(fp32_plain, prompt_ids, args.new_tokens)
+        engines["verispec bf16 F.linear"] = lambda: run_ours(bf16_plain, prompt_ids, args.new_tokens)
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
@@ -148,8 +157,8 @@ def main() -> None:
                 best[name] = (ttft, decode, n)
 
     bandwidth = measure_bandwidth(args.threads)
-    bytes_fp32 = weight_bytes_per_token(fp32.model)
-    bytes_bf16 = weight_bytes_per_token(bf16.model)
+    bytes_fp32 = weight_bytes_per_token(fp32.model.args, torch.float32)
+    bytes_bf16 = weight_bytes_per_token(bf16.model.args, torch.bfloat16)
     ceiling = {"fp32": bandwidth * 1e9 / bytes_fp32, "bf16": bandwidth * 1e9 / bytes_bf16}
 
     n_prompt = len(prompt_ids)

@@ -37,6 +37,7 @@ from torch import nn
 
 from verispec.engine.kv_cache import KeyPlan, SequenceKV
 from verispec.models.config import ModelArgs, RopeArgs
+from verispec.models.linear import Linear, pack_weight, packed_linear, packing_enabled
 
 
 @dataclass
@@ -102,11 +103,11 @@ class DecoderLayer(nn.Module):
         self.n_q = args.num_heads * D
         self.n_kv = args.num_kv_heads * D
         self.attn_norm = nn.Parameter(torch.ones(H))
-        self.qkv = nn.Linear(H, self.n_q + 2 * self.n_kv, bias=args.attention_bias)
-        self.o_proj = nn.Linear(self.n_q, H, bias=args.o_proj_bias)
+        self.qkv = Linear(H, self.n_q + 2 * self.n_kv, bias=args.attention_bias)
+        self.o_proj = Linear(self.n_q, H, bias=args.o_proj_bias)
         self.mlp_norm = nn.Parameter(torch.ones(H))
-        self.gate_up = nn.Linear(H, 2 * args.intermediate_size, bias=args.mlp_bias)
-        self.down = nn.Linear(args.intermediate_size, H, bias=args.mlp_bias)
+        self.gate_up = Linear(H, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down = Linear(args.intermediate_size, H, bias=args.mlp_bias)
         if args.qk_norm:  # q_norm repeated over q heads, then k_norm over kv heads
             self.qk_norm = nn.Parameter(torch.ones(args.num_heads + args.num_kv_heads, D))
         if args.sandwich_norms:
@@ -124,6 +125,7 @@ class Decoder(nn.Module):
         self.final_norm = nn.Parameter(torch.ones(args.hidden_size))
         self.lm_head = None if args.tie_word_embeddings else nn.Parameter(torch.zeros(args.vocab_size, args.hidden_size))
         self._ropes: dict[int | None, RotaryTable] = {}
+        self._lm_packed: torch.Tensor | None = None
         self._act = F.silu if args.activation == "silu" else (lambda x: F.gelu(x, approximate="tanh"))
         self._scale = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
 
@@ -162,6 +164,23 @@ class Decoder(nn.Module):
     def lm_weight(self) -> torch.Tensor:
         return self.embed if self.lm_head is None else self.lm_head
 
+    def pack_for_cpu(self) -> bool:
+        """Pre-pack every matrix for oneDNN (see linear.py); no-op off CPU or when
+        VERISPEC_NO_PACK=1. The lm_head gets a packed copy (the embedding table it may
+        be tied to stays dense for lookups)."""
+        if not packing_enabled(self.device):
+            return False
+        packed_all = all([m.pack() for m in self.modules() if isinstance(m, Linear)])
+        self._lm_packed = pack_weight(self.lm_weight())
+        if self._lm_packed is not None and self.lm_head is not None:
+            self.lm_head = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
+        return packed_all and self._lm_packed is not None
+
+    def _lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self._lm_packed is not None:
+            return packed_linear(h, self._lm_packed)
+        return F.linear(h, self.lm_weight())
+
     # -- forward --------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -193,7 +212,7 @@ class Decoder(nn.Module):
             seq.advance(n)
 
         last = self._norm(h.index_select(0, logits_at), self.final_norm)
-        logits = F.linear(last, self.lm_weight()).float()
+        logits = self._lm_logits(last).float()
         if args.final_logit_softcap:
             logits = torch.tanh(logits / args.final_logit_softcap) * args.final_logit_softcap
         return ForwardOutput(logits, tuple(tapped[t] for t in taps))

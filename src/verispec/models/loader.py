@@ -123,22 +123,25 @@ def convert_state_dict(args: ModelArgs, hf: dict[str, torch.Tensor], dtype: torc
     return out
 
 
-def build_model(args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu") -> Decoder:
+def build_model(
+    args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype, device="cpu", pack: bool = True
+) -> Decoder:
+    """A ready inference model; `pack` pre-packs weights for oneDNN on CPU (linear.py)."""
     with torch.device("meta"):
         model = Decoder(args)
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)
-    model.eval()
-    # nn.Linear parameters arrived by assign=True; keep the non-linear tensors in the
-    # dtype convert_state_dict chose (gemma norms stay float32)
-    return model.requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if pack:
+        model.pack_for_cpu()
+    return model
 
 
-def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> Decoder:
+def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu", pack: bool = True) -> Decoder:
     folder = Path(folder)
     args = from_hf_config(read_config(folder))
     state = convert_state_dict(args, read_tensors(folder), dtype)
-    return build_model(args, state, dtype, device)
+    return build_model(args, state, dtype, device, pack)
 
 
 @dataclass
@@ -152,12 +155,14 @@ class LoadedModel:
     name: str
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32, device="cpu", progress: bool = True) -> LoadedModel:
+def load_model(
+    spec: str, dtype: torch.dtype = torch.float32, device="cpu", progress: bool = True, pack: bool = True
+) -> LoadedModel:
     """Registry name, HF folder, .gguf file or hub id -> LoadedModel."""
     from verispec.models.registry import resolve_model
     from verispec.models.tokenizer import load_tokenizer, stop_token_ids
 
     folder = resolve_model(spec, progress=progress)
-    model = load_folder(folder, dtype=dtype, device=device)
+    model = load_folder(folder, dtype=dtype, device=device, pack=pack)
     tokenizer = load_tokenizer(folder)
     return LoadedModel(model, tokenizer, folder, stop_token_ids(folder, tokenizer), spec)
