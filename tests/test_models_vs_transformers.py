@@ -79,3 +79,26 @@ def test_no_taps_returns_nothing_extra(pair):
     cache = KVCache(ours.args)
     out = ours(torch.tensor([1, 2, 3]), BatchKV([cache.allocate(3)], [3]))
     assert out.hidden == ()
+
+
+def test_bfloat16_teacher_forced_logits_close_to_transformers_bf16(pair, tmp_path):
+    """bf16 has knife-edge ties, so trajectories are compared in float32 only; in bf16
+    the teacher-forced logits must stay within bf16 rounding of transformers' bf16."""
+    name, reference, _ = pair
+    reference.save_pretrained(tmp_path)
+    ours = load_folder(tmp_path, dtype=torch.bfloat16)
+    ref16 = reference.to(torch.bfloat16)
+    try:
+        prompt = _prompts(5, lengths=(30,))[0]
+        cache = ours.new_cache()
+        got = ours(torch.tensor(prompt), BatchKV([cache.allocate(30)], [30]), logits_at=torch.arange(30)).logits
+        expected = reference_logits(ref16, prompt)
+        exact = reference_logits(reference.float(), prompt)
+        # our bf16 error against the float32 truth is no worse than transformers' own bf16 error (+ slack)
+        ours_err = (got - exact).abs().mean()
+        ref_err = (expected - exact).abs().mean()
+        assert ours_err <= 1.5 * ref_err + 1e-3, (name, float(ours_err), float(ref_err))
+        # and ours sits as close to transformers' bf16 as both sit to the truth
+        assert (got - expected).abs().mean() <= 2 * ref_err + 1e-3
+    finally:
+        reference.float()

@@ -75,7 +75,7 @@ def stream_generate(
         return
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt)
-    cache = cache or KVCache(model.args, dtype=model.dtype, device=model.device)
+    cache = cache or model.new_cache()
     seq = cache.allocate(len(prompt) + max_new_tokens)
     pick = sampler or (lambda logits, _generated: TokenEvent(int(torch.argmax(logits))))
     stops = set(stop_ids)
@@ -109,7 +109,7 @@ def stream_generate(
 def greedy_batch(model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy-decode several prompts as one batch: one forward per step over all rows
     (rows of different lengths, no padding). Used to prove batching is exact."""
-    cache = KVCache(model.args, dtype=model.dtype, device=model.device)
+    cache = model.new_cache()
     seqs = [cache.allocate(len(p) + max_new_tokens) for p in prompts]
     ids = torch.cat([torch.as_tensor(p, dtype=torch.long) for p in prompts]).to(model.device)
     logits = model(ids, BatchKV(seqs, [len(p) for p in prompts])).logits
