@@ -73,7 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="system message (implies --chat)")
     gen.add_argument("--messages", default=None, metavar="FILE", help="a JSON list of {role, content} messages (implies --chat)")
     gen.add_argument("--max-tokens", "-n", type=int, default=256, help="maximum new tokens (default 256)")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights/compute dtype (default float32)")
+    gen.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="weights dtype; auto = bfloat16 where the CPU/GPU runs it natively, else float32 (float32 is the exact reference)",
+    )
     gen.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     gen.add_argument("--quiet-stats", action="store_true", help="do not print the closing stats line")
     _add_sampling_args(gen)

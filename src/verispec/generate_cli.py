@@ -81,7 +81,7 @@ def check_context(n_prompt: int, max_tokens: int, context: int) -> int:
 
 
 def run_generate(args) -> int:
-    from verispec.models.loader import load_model
+    from verispec.models.loader import load_model, resolve_dtype
     from verispec.models.registry import DEFAULT_MODEL
 
     params = sampling_params_from_args(args)
@@ -89,7 +89,7 @@ def run_generate(args) -> int:
         raise UserError(f"--max-tokens must be positive, got {args.max_tokens}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model or DEFAULT_MODEL, dtype=getattr(torch, args.dtype))
+    loaded = load_model(args.model or DEFAULT_MODEL, dtype=resolve_dtype(args.dtype))
     prompt = build_prompt(args, loaded)
     max_new = check_context(len(prompt), args.max_tokens, loaded.model.args.max_position_embeddings)
 

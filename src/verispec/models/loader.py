@@ -166,3 +166,21 @@ def load_model(
     model = load_folder(folder, dtype=dtype, device=device, pack=pack)
     tokenizer = load_tokenizer(folder)
     return LoadedModel(model, tokenizer, folder, stop_token_ids(folder, tokenizer), spec)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """'auto' -> bfloat16 where the hardware runs it natively (a CUDA GPU with bf16, or
+    a CPU whose oneDNN has bf16 kernels: 1.6x faster decode than float32 here, see
+    bench/decode.py), else float32. Anything else must name a dtype."""
+    if name == "auto":
+        device = torch.device(device)
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return torch.bfloat16 if native else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
