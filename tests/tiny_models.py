@@ -3,6 +3,8 @@ saved with save_pretrained so our loader reads them exactly as it reads real fol
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -78,6 +80,8 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:
 def reference_greedy(model, ids: list[int], n: int, stop_ids=()) -> list[int]:
     """transformers' forward with its own KV cache, argmax each step. A hand loop rather
     than generate(): generate's min_new_tokens would mask EOS and change the argmax."""
+    # transformers renamed past_key_values to cache (5.x); accept either spelling
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out: list[int] = []
     with torch.no_grad():
         step = model(torch.tensor([ids]), use_cache=True)
@@ -86,5 +90,5 @@ def reference_greedy(model, ids: list[int], n: int, stop_ids=()) -> list[int]:
             if token in stop_ids:
                 break
             out.append(token)
-            step = model(torch.tensor([[token]]), past_key_values=step.past_key_values, use_cache=True)
+            step = model(torch.tensor([[token]]), use_cache=True, **{cache_arg: getattr(step, cache_arg)})
     return out

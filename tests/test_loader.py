@@ -1,0 +1,70 @@
+"""Loading Hugging Face folders: sharded safetensors, refusal of pickles, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.tiny_models import build_reference, family_configs, reference_logits
+from verispec.engine.kv_cache import KVCache
+from verispec.models.config import UnsupportedModelError, from_hf_config
+from verispec.models.decoder import BatchKV
+from verispec.models.loader import ModelFilesError, load_folder, resolve_dtype
+
+
+def _logits(model, ids):
+    seq = KVCache(model.args).allocate(len(ids))
+    return model(torch.tensor(ids), BatchKV([seq], [len(ids)]), logits_at=torch.arange(len(ids))).logits
+
+
+def test_sharded_checkpoint_loads_through_its_index(tmp_path):
+    reference = build_reference(family_configs()["qwen3"], tmp_path / "single")
+    reference.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    shards = list((tmp_path / "sharded").glob("*.safetensors"))
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file() and len(shards) > 1
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    torch.testing.assert_close(_logits(load_folder(tmp_path / "sharded"), ids), reference_logits(reference, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_missing_shard_is_named(tmp_path):
+    reference = build_reference(family_configs()["llama"], tmp_path)
+    reference.save_pretrained(tmp_path, max_shard_size="100KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    missing = sorted(set(index["weight_map"].values()))[-1]
+    (tmp_path / missing).unlink()
+    with pytest.raises(ModelFilesError, match=missing):
+        load_folder(tmp_path)
+
+
+def test_pickle_checkpoints_are_never_loaded(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(family_configs()["llama"].to_dict()))
+    torch.save({"model.embed_tokens.weight": torch.zeros(2, 2)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ModelFilesError, match="pickles never are"):
+        load_folder(tmp_path)
+
+
+def test_unsupported_model_type_lists_supported():
+    with pytest.raises(UnsupportedModelError, match="'mamba'.*llama.*qwen2.*qwen3.*gemma3_text"):
+        from_hf_config({"model_type": "mamba"})
+
+
+def test_legacy_rope_spelling_equals_transformers_5_spelling():
+    """transformers 4.x wrote rope_theta / rope_scaling at top level; 5.x writes
+    rope_parameters. Both must give the same rotary frequencies."""
+    new = family_configs()["llama3-rope-scaling"].to_dict()
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}
+    params = dict(new["rope_parameters"])
+    old["rope_theta"] = params.pop("rope_theta")
+    old["rope_scaling"] = params
+    a, b = from_hf_config(new), from_hf_config(old)
+    assert a.rope_global == b.rope_global and a.rope_global.kind == "llama3"
+    torch.testing.assert_close(a.rope_global.inv_freq(16), b.rope_global.inv_freq(16))
+
+
+def test_dtype_names():
+    assert resolve_dtype("float32") is torch.float32
+    assert resolve_dtype("auto") in (torch.float32, torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_dtype("float8")
