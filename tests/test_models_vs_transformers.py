@@ -102,3 +102,13 @@ def test_bfloat16_teacher_forced_logits_close_to_transformers_bf16(pair, tmp_pat
         assert (got - expected).abs().mean() <= 2 * ref_err + 1e-3
     finally:
         reference.float()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_cuda_greedy_matches_transformers(family, tmp_path):
+    reference = build_reference(family_configs()[family], tmp_path)
+    ours = load_folder(tmp_path, device="cuda")
+    prompts = _prompts(6)
+    for prompt, got in zip(prompts, greedy_batch(ours, prompts, 16)):
+        assert got == reference_greedy(reference, prompt, 16)

@@ -140,18 +140,17 @@ class Decoder(nn.Module):
         return self.embed.device
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm in float32. Llama/qwen cast to the input dtype before the weight;
-        gemma multiplies by (1 + w) in float32 and casts after (its weights are stored
-        with the +1 folded in, see loader.py)."""
-        if x.dtype == torch.float32 and weight.dtype == torch.float32:
-            # one fused op instead of six: the same math when nothing is cast
-            if weight.dim() == 1:
-                return F.rms_norm(x, weight.shape, weight, self.args.rms_norm_eps)
-            return F.rms_norm(x, weight.shape[-1:], None, self.args.rms_norm_eps) * weight  # per-head q/k norms
-        xf = F.rms_norm(x.float(), x.shape[-1:], None, self.args.rms_norm_eps)
-        if self.args.norm_offset:
-            return (xf * weight).to(x.dtype)
-        return weight * xf.to(x.dtype)
+        """RMSNorm computed in float32, as transformers does. Llama/qwen round the
+        normalized value to the input dtype, then apply the weight; gemma multiplies by
+        (1 + w) in float32 and rounds once (its weights carry the +1, see loader.py).
+        F.rms_norm upcasts internally, so on bf16 input it equals transformers'
+        float32-then-round bit for bit in one op instead of six."""
+        eps = self.args.rms_norm_eps
+        if self.args.norm_offset and x.dtype != torch.float32:
+            return (F.rms_norm(x.float(), x.shape[-1:], None, eps) * weight).to(x.dtype)
+        if x.dtype == torch.float32 and weight.dim() == 1:
+            return F.rms_norm(x, weight.shape, weight, eps)
+        return weight * F.rms_norm(x, x.shape[-1:], None, eps)  # also per-head q/k norms
 
     def _rope(self, window: int | None) -> RotaryTable:
         table = self._ropes.get(window)
@@ -237,6 +236,9 @@ class Decoder(nn.Module):
         if args.qk_norm:
             qk = self._norm(qk, layer.qk_norm)
         qk = apply_rope(qk, *rope)
+        kv_dtype = batch.seqs[0].keys[index].dtype
+        if kv_dtype != qk.dtype:  # bf16 weights, float32 cache (kv_dtype()): cast once per layer
+            qk, v = qk.to(kv_dtype), v.to(kv_dtype)
         q, k = qk[:, : args.num_heads], qk[:, args.num_heads :]
         attn = self._attention(q, k, v, batch, plans, layer.window, index)
         out = layer.o_proj(attn)
@@ -252,6 +254,9 @@ class Decoder(nn.Module):
 
     def _attention(self, q, k, v, batch: BatchKV, plans, window, index: int) -> torch.Tensor:
         """Per row: write the row's new K/V into its cache, attend over its keys."""
+        if len(batch.seqs) == 1:
+            out = self._attend_row(q, k, v, batch.seqs[0], plans[0][window], index)
+            return out.reshape(out.shape[0], -1)
         outs = []
         offset = 0
         for seq, n, plan in zip(batch.seqs, batch.n_new, plans):
@@ -263,8 +268,6 @@ class Decoder(nn.Module):
 
     def _attend_row(self, q, k_new, v_new, seq: SequenceKV, plan: KeyPlan, index: int) -> torch.Tensor:
         cache_k, cache_v = seq.keys[index], seq.values[index]
-        if cache_k.dtype != q.dtype:  # bf16 weights, float32 cache (see new_cache)
-            q, k_new, v_new = q.to(cache_k.dtype), k_new.to(cache_k.dtype), v_new.to(cache_k.dtype)
         k_new, v_new = k_new.transpose(0, 1), v_new.transpose(0, 1)  # [kv_heads, n, D]
         if plan.gather is None:
             cache_k[:, plan.write] = k_new
