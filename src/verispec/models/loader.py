@@ -74,11 +74,14 @@ def _gemma_norm(w: torch.Tensor) -> torch.Tensor:
 
 
 def convert_state_dict(args: ModelArgs, hf: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """transformers' tensor names -> Decoder state dict (fused, renamed, cast)."""
+    """transformers' tensor names -> Decoder state dict (fused, renamed, cast).
+    Empties `hf` as it goes."""
     norm = _gemma_norm if args.norm_offset else (lambda w: w)
     # gemma keeps norm weights in float32 (the multiply happens there); others in dtype
     norm_dtype = torch.float32 if args.norm_offset else dtype
-    names = {_strip_prefix(k): v for k, v in hf.items()}
+    # consume the input: each source tensor is freed once it has been fused/cast, so
+    # loading peaks near one copy of the model rather than two
+    names = {_strip_prefix(k): hf.pop(k) for k in list(hf)}
     out: dict[str, torch.Tensor] = {}
 
     def take(name: str) -> torch.Tensor:
@@ -89,7 +92,7 @@ def convert_state_dict(args: ModelArgs, hf: dict[str, torch.Tensor], dtype: torc
 
     out["embed"] = take("embed_tokens.weight").to(dtype)
     out["final_norm"] = norm(take("norm.weight")).to(norm_dtype)
-    lm_head = names.pop("lm_head.weight", None) if "lm_head.weight" in names else hf.get("lm_head.weight")
+    lm_head = names.pop("lm_head.weight", None)
     if not args.tie_word_embeddings:
         if lm_head is None:
             raise ModelFilesError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
