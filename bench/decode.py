@@ -11,6 +11,11 @@ is the least disturbed measurement of each, and ratios between engines are what 
 
     .venv/bin/python bench/decode.py                 # defaults: 2 threads, 128 new tokens
     .venv/bin/python bench/decode.py --rounds 5 --skip-llamacpp
+
+The llama.cpp peer (optional) compiles from source in a few minutes; its default native
+build can crash in AMX paths on some hosts, so build it portable with AVX-512:
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+      -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" .venv/bin/pip install llama-cpp-python
 """
 
 from __future__ import annotations
