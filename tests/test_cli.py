@@ -69,3 +69,12 @@ def test_prompt_longer_than_context_is_one_line(smollm2_folder, capsys):
     assert main(["generate", "-m", str(smollm2_folder), "--raw", long_prompt]) == 2
     err = capsys.readouterr().err
     assert "context window" in err and str(context) in err
+
+
+@pytest.mark.real_model
+def test_seeded_sampling_is_reproducible_and_prints_logprobs(smollm2_folder):
+    argv = ["generate", "-m", str(smollm2_folder), "-n", "12", "-t", "0.9", "--seed", "11", "--logprobs", "2", "Tell me a story."]
+    first, second = _run(*argv), _run(*argv)
+    assert first.returncode == 0 and first.stdout == second.stdout
+    logprob_lines = [line for line in first.stderr.splitlines() if line and not line.startswith("[prompt")]
+    assert len(logprob_lines) >= 1 and all(line.count(":") >= 2 for line in logprob_lines)
