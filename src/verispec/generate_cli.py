@@ -73,8 +73,6 @@ def build_prompt(args, loaded) -> list[int]:
 
 def check_context(n_prompt: int, max_tokens: int, context: int) -> int:
     """The number of new tokens that fit; the prompt itself must leave room for one."""
-    if max_tokens <= 0:
-        raise UserError(f"--max-tokens must be positive, got {max_tokens}")
     if n_prompt >= context:
         raise UserError(f"the prompt is {n_prompt} tokens; the model's context window is {context} tokens")
     return min(max_tokens, context - n_prompt)
