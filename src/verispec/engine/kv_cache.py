@@ -66,10 +66,6 @@ class SequenceKV:
         self.valid_from = {w: 0 for w in self.kind_slots if w is not None}
         self.nbytes = sum(k.nelement() * k.element_size() * 2 for k in self.keys)
 
-    @property
-    def free_slots(self) -> int:
-        return self.capacity - self.length
-
     def rollback(self, n: int) -> None:
         """Forget the last n tokens (O(1))."""
         if n < 0 or n > self.length:

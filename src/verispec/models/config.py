@@ -96,21 +96,6 @@ class ModelArgs:
     layer_windows: tuple[int | None, ...] = ()
     rope_global: RopeArgs = field(default_factory=RopeArgs)
     rope_local: RopeArgs = field(default_factory=RopeArgs)
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-
-    @property
-    def is_gemma(self) -> bool:
-        return self.model_type == "gemma3_text"
-
-    @property
-    def has_sliding_layers(self) -> bool:
-        return any(w is not None for w in self.layer_windows)
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Bytes of K and V one token occupies across all layers (global layers only
-        grow; sliding layers are bounded by their ring, see kv_cache.py)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
 def _rope_from(params: dict | None, default_theta: float) -> RopeArgs:
@@ -124,13 +109,6 @@ def _rope_from(params: dict | None, default_theta: float) -> RopeArgs:
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position=int(params.get("original_max_position_embeddings", 8192)),
     )
-
-
-def _eos_ids(cfg: dict) -> tuple[int, ...]:
-    eos = cfg.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
 def _rope_settings(cfg: dict, model_type: str) -> tuple[RopeArgs, RopeArgs]:
@@ -219,6 +197,4 @@ def from_hf_config(cfg: dict) -> ModelArgs:
         layer_windows=_layer_windows(cfg, model_type, num_layers),
         rope_global=rope_global,
         rope_local=rope_local,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=_eos_ids(cfg),
     )

@@ -236,7 +236,7 @@ class Decoder(nn.Module):
         if args.qk_norm:
             qk = self._norm(qk, layer.qk_norm)
         qk = apply_rope(qk, *rope)
-        kv_dtype = batch.seqs[0].keys[index].dtype
+        kv_dtype = batch.seqs[0].cache.dtype
         if kv_dtype != qk.dtype:  # bf16 weights, float32 cache (kv_dtype()): cast once per layer
             qk, v = qk.to(kv_dtype), v.to(kv_dtype)
         q, k = qk[:, : args.num_heads], qk[:, args.num_heads :]
@@ -263,7 +263,7 @@ class Decoder(nn.Module):
             rows = slice(offset, offset + n)
             offset += n
             outs.append(self._attend_row(q[rows], k[rows], v[rows], seq, plan[window], index))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+        out = torch.cat(outs, dim=0)
         return out.reshape(out.shape[0], -1)
 
     def _attend_row(self, q, k_new, v_new, seq: SequenceKV, plan: KeyPlan, index: int) -> torch.Tensor:
