@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_models import VOCAB, build_reference, family_configs, reference_logits
+from tests.tiny_models import VOCAB, build_reference, extend_logits, family_configs, reference_logits
 from verispec.engine.kv_cache import CacheError, KVCache
 from verispec.models.decoder import BatchKV
 from verispec.models.loader import load_folder
@@ -33,12 +33,6 @@ def _tokens(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _extend(model, seq, tokens: list[int]) -> torch.Tensor:
-    """Append tokens in one forward; logits at every new position."""
-    ids = torch.tensor(tokens)
-    return model(ids, BatchKV([seq], [len(tokens)]), logits_at=torch.arange(len(tokens))).logits
-
-
 def _close(a, b):
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
@@ -50,7 +44,7 @@ def test_chunked_prefill_through_wrapped_ring_matches_fresh(gemma, chunk):
     reference, ours = gemma
     tokens = _tokens(40, seed=chunk)
     seq = KVCache(ours.args, max_rollback=MAX_ROLLBACK).allocate(40)
-    got = torch.cat([_extend(ours, seq, tokens[i : i + chunk]) for i in range(0, 40, chunk)])
+    got = torch.cat([extend_logits(ours, seq, tokens[i : i + chunk]) for i in range(0, 40, chunk)])
     _close(got, reference_logits(reference, tokens))
 
 
@@ -59,14 +53,14 @@ def test_rollback_after_wrap_then_reextend_matches_fresh(gemma, n_back):
     reference, ours = gemma
     prompt, drafted, corrected = _tokens(30, 1), _tokens(5, 2), _tokens(6, 3)
     seq = KVCache(ours.args, max_rollback=MAX_ROLLBACK).allocate(64)
-    _extend(ours, seq, prompt)
+    extend_logits(ours, seq, prompt)
     for tok in drafted:  # decode one at a time: the ring (11 slots) has long wrapped
-        _extend(ours, seq, [tok])
+        extend_logits(ours, seq, [tok])
     seq.rollback(n_back)
     assert seq.length == 35 - n_back
     kept = prompt + drafted[: len(drafted) - n_back]
     # a verify-sized chunk after the rollback, then single steps
-    got = torch.cat([_extend(ours, seq, corrected[:4]), _extend(ours, seq, [corrected[4]]), _extend(ours, seq, [corrected[5]])])
+    got = torch.cat([extend_logits(ours, seq, corrected[:4]), extend_logits(ours, seq, [corrected[4]]), extend_logits(ours, seq, [corrected[5]])])
     expected = reference_logits(reference, kept + corrected)[len(kept) :]
     _close(got, expected)
 
@@ -74,7 +68,7 @@ def test_rollback_after_wrap_then_reextend_matches_fresh(gemma, n_back):
 def test_rollback_beyond_ring_margin_is_refused(gemma):
     _, ours = gemma
     seq = KVCache(ours.args, max_rollback=MAX_ROLLBACK).allocate(64)
-    _extend(ours, seq, _tokens(30, 4))
+    extend_logits(ours, seq, _tokens(30, 4))
     with pytest.raises(CacheError, match="sliding-window ring"):
         seq.rollback(MAX_ROLLBACK + 2)
     assert seq.length == 30  # a refused rollback changes nothing
@@ -86,10 +80,10 @@ def test_rollback_global_layers_matches_fresh(llama):
     reference, ours = llama
     prompt, junk, real = _tokens(20, 5), _tokens(7, 6), _tokens(5, 7)
     seq = KVCache(ours.args).allocate(40)
-    _extend(ours, seq, prompt)
-    _extend(ours, seq, junk)
+    extend_logits(ours, seq, prompt)
+    extend_logits(ours, seq, junk)
     seq.rollback(len(junk))
-    _close(_extend(ours, seq, real), reference_logits(reference, prompt + real)[len(prompt) :])
+    _close(extend_logits(ours, seq, real), reference_logits(reference, prompt + real)[len(prompt) :])
 
 
 def test_rows_roll_back_independently(llama):
@@ -111,7 +105,7 @@ def test_overflowing_capacity_is_an_error(llama):
     _, ours = llama
     seq = KVCache(ours.args).allocate(4)
     with pytest.raises(CacheError, match="capacity"):
-        _extend(ours, seq, _tokens(5, 12))
+        extend_logits(ours, seq, _tokens(5, 12))
 
 
 def test_bytes_accounting(gemma):

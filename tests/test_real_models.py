@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_models import reference_greedy
+from tests.tiny_models import extend_logits, reference_greedy
 from verispec.engine.generate import greedy_batch
 from verispec.models.loader import load_model
 from verispec.models.tokenizer import encode_chat, encode_prompt
@@ -102,7 +102,6 @@ def test_gemma3_long_prompt_logits_match_transformers(gemma):
     """Teacher-forced float32 logits at every position of the long prompt, prefilled in
     chunks so the sliding ring wraps between chunks."""
     from verispec.engine.kv_cache import KVCache
-    from verispec.models.decoder import BatchKV
 
     loaded, gguf_path = gemma
     reference = _reference(gguf_path)
@@ -110,8 +109,7 @@ def test_gemma3_long_prompt_logits_match_transformers(gemma):
     seq = KVCache(loaded.model.args).allocate(len(ids))
     got = []
     for start in range(0, len(ids), 200):
-        piece = torch.tensor(ids[start : start + 200])
-        got.append(loaded.model(piece, BatchKV([seq], [len(piece)]), logits_at=torch.arange(len(piece))).logits)
+        got.append(extend_logits(loaded.model, seq, ids[start : start + 200]))
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0].float()
     torch.testing.assert_close(torch.cat(got), expected, rtol=1e-3, atol=2e-3)

@@ -72,6 +72,15 @@ def build_reference(config, folder, seed: int = 0):
     return model
 
 
+def extend_logits(model, seq, tokens) -> torch.Tensor:
+    """Append `tokens` to one sequence's cache in a single forward of our model;
+    logits at every new position (what the oracles below are compared with)."""
+    from verispec.models.decoder import BatchKV
+
+    ids = torch.as_tensor(tokens, dtype=torch.long)
+    return model(ids, BatchKV([seq], [len(ids)]), logits_at=torch.arange(len(ids))).logits
+
+
 def reference_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
