@@ -1,4 +1,4 @@
-"""`verispec` command line: generate, pull, models.
+"""`verispec` command line: serve, generate, pull, models.
 
 User mistakes (unknown model, missing files, bad sampling values, a prompt longer than
 the context window) end with one line on stderr and exit code 2 — never a traceback.
@@ -16,6 +16,8 @@ DEFAULT_PROMPT_HELP = "the prompt text ('-' or omitted: read stdin)"
 
 EPILOG = """\
 examples:
+  verispec serve                                            OpenAI-compatible server on 127.0.0.1:8000
+  verispec serve --port 8080 --api-key secret --kv-budget 4GB
   verispec generate "Write a haiku about tokens."          chat prompt, default model
   verispec generate --system "Answer in French." "Hi"      with a system message
   verispec generate --raw "The capital of France is"       plain completion, no template
@@ -83,6 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet-stats", action="store_true", help="do not print the closing stats line")
     _add_sampling_args(gen)
 
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API (continuous batching)",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics and /stats; "
+        "requests share one continuously batched engine loop and are admitted by KV memory budget.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from verispec.serve_cli import add_serve_args
+
+    add_serve_args(serve)
+
     sub.add_parser("models", help="list the embedded models and whether they are cached")
     pull = sub.add_parser("pull", help="fetch and convert an embedded model into the cache")
     pull.add_argument("name", nargs="?", default=None, help="model name (default: smollm2-135m-instruct)")
@@ -128,6 +142,10 @@ def _dispatch(args) -> int:
         from verispec.generate_cli import run_generate
 
         return run_generate(args)
+    if args.command == "serve":
+        from verispec.serve_cli import run_serve
+
+        return run_serve(args)
     raise UserError(f"unknown command {args.command!r}")
 
 

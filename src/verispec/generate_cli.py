@@ -7,9 +7,9 @@ import sys
 import torch
 
 from verispec.cli import UserError, parse_logit_bias, read_messages
-from verispec.engine.detokenize import StreamDetokenizer
-from verispec.engine.generate import GenerationStats, TokenEvent, stream_generate
-from verispec.engine.sampling import SamplingParams, make_generator, process_logits, sample, token_logprobs
+from verispec.engine.generate import GenerationStats
+from verispec.engine.request import RequestOutput, TokenInfo
+from verispec.engine.sampling import SamplingParams
 
 
 def sampling_params_from_args(args) -> SamplingParams:
@@ -25,24 +25,6 @@ def sampling_params_from_args(args) -> SamplingParams:
         seed=args.seed,
         logprobs=args.logprobs,
     )
-
-
-def make_sampler(params: SamplingParams, prompt_ids: list[int]):
-    """A per-request `sampler(logits[V], generated) -> TokenEvent` for stream_generate."""
-    generator = None if params.is_greedy else make_generator(params.seed)
-
-    def pick(logits: torch.Tensor, generated: list[int]) -> TokenEvent:
-        row = logits.unsqueeze(0)
-        processed = process_logits(row, [params], [prompt_ids], [generated])
-        token = sample(processed, [params], [generator])
-        event = TokenEvent(int(token[0]))
-        if params.logprobs is not None:
-            lp = token_logprobs(row, token, params.logprobs)
-            event.logprob = float(lp.chosen[0])
-            event.top_logprobs = list(zip(lp.top_ids[0].tolist(), lp.top_logprobs[0].tolist()))
-        return event
-
-    return pick
 
 
 def build_prompt(args, loaded) -> list[int]:
@@ -79,6 +61,8 @@ def check_context(n_prompt: int, max_tokens: int, context: int) -> int:
 
 
 def run_generate(args) -> int:
+    from verispec.engine.engine import Engine, EngineConfig
+    from verispec.engine.request import GenerationRequest
     from verispec.models.loader import load_model, resolve_dtype
     from verispec.models.registry import DEFAULT_MODEL
 
@@ -91,27 +75,39 @@ def run_generate(args) -> int:
     prompt = build_prompt(args, loaded)
     max_new = check_context(len(prompt), args.max_tokens, loaded.model.args.max_position_embeddings)
 
-    stats = GenerationStats()
-    detok = StreamDetokenizer(loaded.tokenizer)
-    events = []
+    # the same engine as the server, driven inline for one request
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, EngineConfig(max_rows=1))
+    tokens: list[TokenInfo] = []
+    final: list[RequestOutput] = []
     out = sys.stdout
-    for event in stream_generate(loaded.model, prompt, max_new, make_sampler(params, prompt), loaded.stop_ids, stats=stats):
-        out.write(detok.push(event.token))
+
+    def sink(delta: RequestOutput) -> None:
+        out.write(delta.text)
         out.flush()
-        events.append(event)
-    out.write(detok.flush() + "\n")
+        tokens.extend(delta.tokens)
+        if delta.finished:
+            final.append(delta)
+
+    engine.submit(GenerationRequest(prompt, max_new, params), sink)
+    engine.run_until_idle()
+    out.write("\n")
     out.flush()
+    done = final[0]
+    if done.error:
+        raise UserError(f"generation failed: {done.error}")
     if params.logprobs is not None:
-        print_logprobs(loaded.tokenizer, events)
+        print_logprobs(loaded.tokenizer, tokens)
     if not args.quiet_stats:
+        stats = GenerationStats(len(prompt), done.completion_tokens, done.time_to_first_token or 0.0,
+                                done.decode_time or 0.0, done.finish_reason)
         print(format_stats(stats), file=sys.stderr)
     return 0
 
 
-def print_logprobs(tokenizer, events: list[TokenEvent]) -> None:
-    for event in events:
-        alts = "  ".join(f"{tokenizer.decode([t])!r}:{lp:.3f}" for t, lp in event.top_logprobs)
-        print(f"{tokenizer.decode([event.token])!r:>16} {event.logprob:8.3f}   {alts}", file=sys.stderr)
+def print_logprobs(tokenizer, tokens: list[TokenInfo]) -> None:
+    for info in tokens:
+        alts = "  ".join(f"{tokenizer.decode([t])!r}:{lp:.3f}" for t, lp in info.top)
+        print(f"{tokenizer.decode([info.token])!r:>16} {info.logprob:8.3f}   {alts}", file=sys.stderr)
 
 
 def format_stats(s: GenerationStats) -> str:

@@ -167,6 +167,9 @@ class KVCache:
         self.max_rollback = max_rollback
         self.layer_windows = tuple(args.layer_windows) or (None,) * args.num_layers
         self.live: set[SequenceKV] = set()
+        # a running total rather than a sum over `live`: other threads (the server's
+        # /stats) read it while the engine thread allocates and releases
+        self._bytes_in_use = 0
 
     def slots_for_layer(self, layer: int, capacity: int) -> int:
         window = self.layer_windows[layer]
@@ -184,13 +187,16 @@ class KVCache:
             raise CacheError(f"capacity must be positive, got {capacity}")
         seq = SequenceKV(self, capacity)
         self.live.add(seq)
+        self._bytes_in_use += seq.nbytes
         return seq
 
     def release(self, seq: SequenceKV) -> None:
-        self.live.discard(seq)
+        if seq in self.live:
+            self.live.discard(seq)
+            self._bytes_in_use -= seq.nbytes
         seq.keys.clear()
         seq.values.clear()
 
     @property
     def bytes_in_use(self) -> int:
-        return sum(s.nbytes for s in self.live)
+        return self._bytes_in_use

@@ -9,6 +9,7 @@ adding it again shifts every model off its training distribution.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -53,3 +54,68 @@ def stop_token_ids(folder: str | Path, tokenizer) -> list[int]:
     add(read_config(folder).get("eos_token_id"))
     add(tokenizer.eos_token_id)
     return sorted(ids)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, reversed: the printable character each byte is
+    spelled with inside a token -> the byte. Printable Latin-1 bytes stand for
+    themselves; the other 68 are shifted to 256 + n, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + shifted)] = byte
+            shifted += 1
+    return chars
+
+
+class TokenText:
+    """Per-token text and exact bytes, as OpenAI's logprobs report them (cached by id).
+
+    A token's own decode can be a broken character (byte-level BPE splits UTF-8
+    sequences across tokens), so `bytes` is read from the token's spelling: byte-level
+    BPE through GPT-2's alphabet, SentencePiece byte-fallback tokens (<0x0A>) directly,
+    anything else from its decode."""
+
+    _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+        self.byte_level = decoder.get("type") == "ByteLevel"
+        self.alphabet = _byte_level_alphabet() if self.byte_level else {}
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            text = self.tokenizer.decode([token_id])
+            hit = self._cache[token_id] = (text, list(self._bytes(token_id, text)))
+        return hit
+
+    def _bytes(self, token_id: int, text: str) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if self.byte_level and piece and all(c in self.alphabet for c in piece):
+            return bytes(self.alphabet[c] for c in piece)
+        match = self._BYTE_TOKEN.fullmatch(piece or "")
+        if match:
+            return bytes([int(match.group(1), 16)])
+        return text.encode("utf-8")
+
+
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
+
+
+def generation_defaults(folder: str | Path) -> dict:
+    """The sampling defaults a model's generation_config.json recommends (used where a
+    request leaves a field unset, as vLLM does); only when it also says do_sample, since
+    transformers ignores them otherwise."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    if not config.get("do_sample", False):
+        return {}
+    return {k: config[k] for k in SAMPLING_DEFAULT_KEYS if isinstance(config.get(k), (int, float)) and not isinstance(config.get(k), bool)}

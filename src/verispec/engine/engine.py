@@ -1,0 +1,425 @@
+"""The engine: one loop, continuous batching, every running row in one forward per step.
+
+    step():  plan = scheduler.plan()          admit by KV budget, decode rows + prefill chunks
+             logits = forward(plan)           one packed forward over all rows (models/decoder.py)
+             tokens = sample(logits)          per-row params in one batched call (sampling.py)
+             accept(row, token) for each      detokenize, stop strings, finish, emit deltas
+
+Rows join and leave between steps. Each row owns its KV (kv_cache.py), so joining or
+leaving never touches another row's cache. Callers talk to the engine from any thread
+through `submit` / `cancel` (a thread-safe inbox, applied at the start of the next step);
+the engine answers through each request's sink. `start()` runs the loop in a background
+thread (the server); without it, `step()` / `run_until_idle()` drive it inline (CLI, tests).
+
+Failure stays local: a row whose forward or sampling raises is retried alone, and only
+the rows that still fail finish with an error; the others carry on.
+
+Checked by tests/test_engine.py: rows joining and leaving mid-decode produce, in float32,
+the same greedy tokens as each request run alone (and as transformers); the KV budget
+queues requests instead of over-committing, nobody is starved, a cancelled row frees
+its memory at once, a failing row fails alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from verispec.engine.metrics import EngineMetrics
+from verispec.engine.request import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Collector,
+    Completion,
+    GenerationRequest,
+    RequestOutput,
+    RequestRejected,
+    Sink,
+    TokenInfo,
+)
+from verispec.engine.row import Row, RowState
+from verispec.engine.sampling import process_logits, sample, token_logprobs
+from verispec.engine.scheduler import Scheduler, StepPlan
+from verispec.models.decoder import BatchKV, Decoder
+
+log = logging.getLogger("verispec.engine")
+
+DEFAULT_MAX_ROWS = 32
+# Prefill tokens per step while other rows decode: on this 2-core CPU a 128-token chunk
+# costs about as much as four decode steps, so a long prompt delays running streams by
+# that much per step instead of stalling them for its whole prefill (bench/serve_load.py).
+DEFAULT_PREFILL_CHUNK = 128
+DEFAULT_IDLE_PREFILL_CHUNK = 512  # when nothing decodes, only time to first token matters
+DEFAULT_MAX_WAITING = 1024
+KV_BUDGET_FRACTION_CPU = 0.5  # of available RAM after the model is loaded
+KV_BUDGET_FRACTION_GPU = 0.8  # of free device memory
+
+
+@dataclass
+class EngineConfig:
+    kv_budget: int | None = None  # bytes of KV cache for all rows; None: from free memory
+    max_rows: int = DEFAULT_MAX_ROWS
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    idle_prefill_chunk: int = DEFAULT_IDLE_PREFILL_CHUNK
+    max_waiting: int = DEFAULT_MAX_WAITING
+    max_model_len: int | None = None  # context cap; None: the model's own
+
+    def __post_init__(self):
+        for name in ("max_rows", "prefill_chunk", "idle_prefill_chunk", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.kv_budget is not None and self.kv_budget <= 0:
+            raise ValueError(f"kv_budget must be positive, got {self.kv_budget}")
+
+
+def default_kv_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * KV_BUDGET_FRACTION_GPU)
+    import psutil
+
+    return int(psutil.virtual_memory().available * KV_BUDGET_FRACTION_CPU)
+
+
+class Engine:
+    def __init__(self, model: Decoder, tokenizer, stop_ids: Sequence[int], config: EngineConfig | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.stop_ids = frozenset(stop_ids)
+        self.config = config or EngineConfig()
+        self.cache = model.new_cache()
+        context = model.args.max_position_embeddings
+        self.max_model_len = min(self.config.max_model_len or context, context)
+        self.kv_budget = self.config.kv_budget or default_kv_budget(model.device)
+        self.scheduler = Scheduler(
+            self.cache, self.kv_budget, self.config.max_rows, self.config.prefill_chunk, self.config.idle_prefill_chunk
+        )
+        self.metrics = EngineMetrics()
+        self.vocab_size = model.args.vocab_size
+        self._rows: dict[str, Row] = {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending_submits = 0  # submitted, not yet drained from the inbox (under _count_lock)
+        self._count_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.started_at = time.time()
+
+    # -- API (any thread) -----------------------------------------------------------
+
+    def max_new_tokens(self, prompt_len: int) -> int:
+        """The most tokens a request with this prompt may ask for: what is left of the
+        context window, and what the KV budget can hold for one row."""
+        per_token = self.cache.bytes_for(1)
+        by_budget = self.kv_budget // per_token - prompt_len
+        while by_budget > 0 and self.cache.bytes_for(prompt_len + by_budget) > self.kv_budget:
+            by_budget -= 1  # sliding-window rings make bytes_for sublinear: walk down to the exact fit
+        return max(0, min(self.max_model_len - prompt_len, by_budget))
+
+    def check(self, request: GenerationRequest) -> int:
+        """Refuse what can never run (RequestRejected, naming the field); return the bytes
+        of KV the request will reserve."""
+        try:
+            return self._check(request)
+        except RequestRejected:
+            self.metrics.requests_rejected += 1
+            raise
+
+    def _check(self, request: GenerationRequest) -> int:
+        n_prompt = len(request.prompt_ids)
+        if n_prompt == 0:
+            raise RequestRejected("the prompt is empty", "prompt")
+        if any(not 0 <= t < self.vocab_size for t in request.prompt_ids):
+            raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
+            raise RequestRejected(f"max_tokens must be at least 1, got {request.max_tokens!r}", "max_tokens")
+        bias = request.params.logit_bias or {}
+        if any(t >= self.vocab_size for t in bias):
+            raise RequestRejected(f"logit_bias token ids must be below the vocabulary size {self.vocab_size}", "logit_bias")
+        total = n_prompt + request.max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the request needs {total} "
+                f"({n_prompt} in the prompt, {request.max_tokens} for the completion); shorten the prompt or lower max_tokens",
+                "max_tokens",
+            )
+        need = self.cache.bytes_for(total)
+        if need > self.kv_budget:
+            raise RequestRejected(
+                f"the request needs {need / 2**20:.1f} MiB of KV cache for {total} tokens, more than the server's whole "
+                f"KV budget of {self.kv_budget / 2**20:.1f} MiB (--kv-budget); it can never run here: lower max_tokens "
+                f"(at most {self.max_new_tokens(n_prompt)} with this prompt) or shorten the prompt",
+                "max_tokens",
+            )
+        if self.scheduler.queue_depth + self._pending_submits >= self.config.max_waiting:
+            raise RequestRejected(f"the server is busy ({self.config.max_waiting} requests waiting); retry later", None, 429)
+        return need
+
+    def submit(self, request: GenerationRequest, sink: Sink) -> str:
+        """Queue a request (RequestRejected before any work if it can never run)."""
+        if self._stopping:
+            raise RequestRejected("the engine is shutting down", None, 503)
+        kv_bytes = self.check(request)
+        row = Row(request, sink, self.tokenizer, kv_bytes)
+        with self._count_lock:
+            self._pending_submits += 1
+        self._inbox.put(("submit", row))
+        self._wake.set()
+        return request.request_id
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request and free its row and memory at the start of the next step."""
+        self._inbox.put(("cancel", request_id))
+        self._wake.set()
+
+    def generate(self, request: GenerationRequest, timeout: float | None = None) -> Completion:
+        """Submit and wait for the whole answer (drives the loop inline when no thread runs it)."""
+        collector = Collector()
+        self.submit(request, collector)
+        if self._thread is None:
+            self.run_until_idle()
+        return collector.result(timeout)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="verispec-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        self._drain_inbox()
+        for row in list(self._rows.values()):
+            self._finish(row, FINISH_ABORT, error="the server shut down")
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is None or self._thread.is_alive()
+
+    def stats(self) -> dict:
+        m = self.metrics
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": self.scheduler.queue_depth + self._pending_submits,
+            "kv_bytes_in_use": self.cache.bytes_in_use,
+            "kv_bytes_reserved": self.scheduler.reserved,
+            "kv_budget_bytes": self.kv_budget,
+            "max_rows": self.config.max_rows,
+            "max_model_len": self.max_model_len,
+            "requests_finished": dict(m.requests_finished),
+            "requests_rejected": m.requests_rejected,
+            "prompt_tokens": m.prompt_tokens,
+            "generation_tokens": m.generation_tokens,
+            "steps": m.steps,
+            "uptime_s": round(time.time() - self.started_at, 1),
+        }
+
+    # -- the loop -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            try:
+                worked = self.step()
+            except Exception as e:  # noqa: BLE001 - the loop must survive anything a step does
+                log.exception("engine step failed")
+                for row in list(self._rows.values()):
+                    self._finish(row, FINISH_ERROR, error=f"engine error: {e}")
+                worked = False
+            if not worked:
+                self._wake.wait(0.5)
+                self._wake.clear()
+
+    def run_until_idle(self) -> None:
+        while self.step() or self._rows:
+            pass
+
+    def step(self) -> bool:
+        """One engine step; False when there was nothing to do."""
+        self._drain_inbox()
+        plan = self.scheduler.plan()
+        if not plan:
+            return False
+        feeds = [(row, [row.pending]) for row in plan.decode]
+        feeds += [(c.row, c.row.request.prompt_ids[c.start : c.stop]) for c in plan.prefill]
+        samplers = list(plan.decode) + [c.row for c in plan.prefill if c.completes_prompt]
+        logits, samplers = self._forward(feeds, samplers)
+        for chunk in plan.prefill:
+            if chunk.row.state is RowState.PREFILL:
+                chunk.row.prefilled = chunk.stop
+                if chunk.completes_prompt:
+                    chunk.row.state = RowState.DECODE
+        self.metrics.steps += 1
+        self.metrics.step_tokens += sum(len(t) for _, t in feeds)
+        if samplers:
+            for row, info in zip(samplers, self._sample(samplers, logits)):
+                if info is not None:
+                    self._accept(row, info)
+        return True
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                with self._count_lock:
+                    self._pending_submits -= 1
+                self._rows[item.id] = item
+                self.scheduler.add(item)
+                self.metrics.prompt_tokens += item.prompt_len
+            elif kind == "cancel":
+                row = self._rows.get(item)
+                if row is not None:
+                    self._finish(row, FINISH_ABORT)
+
+    # -- forward, with failures kept to their row ---------------------------------------
+
+    def _forward(self, feeds: list[tuple[Row, list[int]]], samplers: list[Row]) -> tuple[torch.Tensor, list[Row]]:
+        """Logits at the last fed position of each sampling row. If the batched forward
+        raises, each row is run alone and only the rows that still fail are dropped."""
+        try:
+            return self._run(feeds, samplers), samplers
+        except Exception as e:  # noqa: BLE001
+            if len(feeds) == 1:
+                self._finish(feeds[0][0], FINISH_ERROR, error=f"forward failed: {e}")
+                return torch.empty(0), []
+            log.warning("batched forward failed (%s); retrying row by row", e)
+        pieces, alive = [], []
+        for feed in feeds:
+            row = feed[0]
+            wants = [row] if row in samplers else []
+            try:
+                out = self._run([feed], wants)
+            except Exception as e:  # noqa: BLE001
+                self._finish(row, FINISH_ERROR, error=f"forward failed: {e}")
+                continue
+            if wants:
+                pieces.append(out)
+                alive.append(row)
+        return (torch.cat(pieces) if pieces else torch.empty(0)), alive
+
+    def _run(self, feeds: list[tuple[Row, list[int]]], samplers: list[Row]) -> torch.Tensor:
+        seqs = [row.kv for row, _ in feeds]
+        lengths = [seq.length for seq in seqs]
+        ids = torch.tensor([t for _, tokens in feeds for t in tokens], dtype=torch.long, device=self.model.device)
+        last, at = {}, 0  # flat index of each row's last fed token
+        for row, tokens in feeds:
+            at += len(tokens)
+            last[row.id] = at - 1
+        ends = [last[row.id] for row in samplers]
+        try:
+            out = self.model(
+                ids,
+                BatchKV(seqs, [len(t) for _, t in feeds]),
+                logits_at=torch.tensor(ends, dtype=torch.long, device=self.model.device),
+            )
+        except Exception:
+            for seq, n in zip(seqs, lengths):  # nothing of a failed forward stays in any cache
+                if seq.length > n:
+                    seq.rollback(seq.length - n)
+            raise
+        return out.logits
+
+    # -- sampling -------------------------------------------------------------------
+
+    def _sample(self, rows: list[Row], logits: torch.Tensor) -> list[TokenInfo | None]:
+        try:
+            return self._sample_batch(rows, logits)
+        except Exception as e:  # noqa: BLE001
+            if len(rows) == 1:
+                self._finish(rows[0], FINISH_ERROR, error=f"sampling failed: {e}")
+                return [None]
+            log.warning("batched sampling failed (%s); sampling row by row", e)
+        infos: list[TokenInfo | None] = []
+        for i, row in enumerate(rows):
+            try:
+                infos.extend(self._sample_batch([row], logits[i : i + 1]))
+            except Exception as e:  # noqa: BLE001
+                self._finish(row, FINISH_ERROR, error=f"sampling failed: {e}")
+                infos.append(None)
+        return infos
+
+    def _sample_batch(self, rows: list[Row], logits: torch.Tensor) -> list[TokenInfo]:
+        params = [r.params for r in rows]
+        histories = any(p.has_penalties for p in params)
+        processed = process_logits(
+            logits,
+            params,
+            [r.prompt_tensor for r in rows] if histories else None,
+            [r.output for r in rows] if histories else None,
+        )
+        tokens = sample(processed, params, [r.generator for r in rows])
+        token_list = tokens.tolist()
+        infos = [TokenInfo(t) for t in token_list]
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if want:
+            index = torch.tensor(want)
+            lp = token_logprobs(logits[index], tokens[index], max(params[i].logprobs for i in want))
+            chosen, top_ids, top_lps = lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
+            for j, i in enumerate(want):
+                k = params[i].logprobs
+                infos[i].logprob = chosen[j]
+                infos[i].top = list(zip(top_ids[j][:k], top_lps[j][:k]))
+        return infos
+
+    # -- one new token for one row ----------------------------------------------------------
+
+    def _accept(self, row: Row, info: TokenInfo) -> None:
+        now = time.perf_counter()
+        if row.first_token_at is None:
+            row.first_token_at = now
+            self.metrics.ttft.observe(now - row.arrival)
+        else:
+            self.metrics.inter_token.observe(now - row.last_token_at)
+        row.last_token_at = now
+        if info.token in self.stop_ids and not row.request.ignore_eos:
+            released = row.text.finish()  # EOS is never content; held-back text is
+            self._finish(row, FINISH_STOP, text=released.text, n_tokens=released.tokens)
+            return
+        row.output.append(info.token)
+        row.unreleased.append(info)
+        self.metrics.generation_tokens += 1
+        released = row.text.push(info.token)
+        if released.stopped:
+            self._finish(row, FINISH_STOP, text=released.text, n_tokens=released.tokens)
+        elif len(row.output) >= row.request.max_tokens:
+            tail = row.text.finish()
+            reason = FINISH_STOP if tail.stopped else FINISH_LENGTH
+            self._finish(row, reason, text=released.text + tail.text, n_tokens=released.tokens + tail.tokens)
+        else:
+            row.pending = info.token
+            if released.text or released.tokens:
+                self._emit(row, released.text, released.tokens)
+
+    def _emit(self, row: Row, text: str, n_tokens: int, finish: str | None = None, error: str | None = None) -> None:
+        tokens, row.unreleased = row.unreleased[:n_tokens], row.unreleased[n_tokens:]
+        out = RequestOutput(row.id, text, tokens, finish, error, row.prompt_len, len(row.output))
+        if finish is not None:
+            out.time_to_first_token, out.decode_time = row.timings()
+        try:
+            row.sink(out)
+        except Exception:  # noqa: BLE001 - a broken consumer must not break the engine
+            log.exception("sink of request %s failed", row.id)
+
+    def _finish(self, row: Row, reason: str, text: str = "", n_tokens: int = 0, error: str | None = None) -> None:
+        if row.state is RowState.FINISHED:
+            return
+        self.scheduler.remove(row)
+        self._rows.pop(row.id, None)
+        self.metrics.requests_finished[reason] += 1
+        self.metrics.e2e.observe(time.perf_counter() - row.arrival)
+        if error:
+            log.warning("request %s failed: %s", row.id, error)
+        self._emit(row, text, n_tokens, reason, error)

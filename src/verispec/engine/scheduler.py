@@ -1,0 +1,104 @@
+"""Admission by KV budget and the plan of each step.
+
+A waiting deque and a running list. Admission is strictly first come, first served: the
+head of the queue starts as soon as its KV reservation (prompt + max_tokens, from
+`KVCache.bytes_for`) fits in what the budget has left and a batch slot is free; nobody
+overtakes it, so sustained load of small requests cannot starve a large one. A request
+that could never fit is refused at submit time (engine.py), not here.
+
+Each step decodes every running row that has a pending token (decode is never delayed),
+then spends a prefill token budget on prompts in admission order. The budget is small
+while rows are decoding (a long prompt is cut into chunks interleaved with decode steps,
+so running streams keep flowing) and larger when nothing is decoding (then only time to
+first token matters).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from verispec.engine.kv_cache import KVCache
+from verispec.engine.row import Row, RowState
+
+
+@dataclass
+class PrefillChunk:
+    row: Row
+    start: int
+    stop: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.stop == self.row.prompt_len
+
+
+@dataclass
+class StepPlan:
+    decode: list[Row]
+    prefill: list[PrefillChunk]
+
+    def __bool__(self) -> bool:
+        return bool(self.decode or self.prefill)
+
+
+class Scheduler:
+    def __init__(self, cache: KVCache, kv_budget: int, max_rows: int, prefill_chunk: int, idle_prefill_chunk: int):
+        self.cache = cache
+        self.kv_budget = kv_budget
+        self.max_rows = max_rows
+        self.prefill_chunk = prefill_chunk
+        self.idle_prefill_chunk = max(idle_prefill_chunk, prefill_chunk)
+        self.waiting: deque[Row] = deque()
+        self.running: list[Row] = []
+        self.reserved = 0  # bytes of KV reserved by running rows
+
+    def add(self, row: Row) -> None:
+        self.waiting.append(row)
+
+    def admit(self) -> list[Row]:
+        admitted = []
+        while self.waiting and len(self.running) < self.max_rows:
+            row = self.waiting[0]
+            if self.reserved + row.kv_bytes > self.kv_budget:
+                break  # first come, first served: wait for memory, let nobody overtake
+            self.waiting.popleft()
+            row.kv = self.cache.allocate(row.capacity)
+            row.state = RowState.PREFILL
+            self.reserved += row.kv_bytes
+            self.running.append(row)
+            admitted.append(row)
+        return admitted
+
+    def plan(self) -> StepPlan:
+        self.admit()
+        decode = [r for r in self.running if r.state is RowState.DECODE]
+        budget = self.prefill_chunk if decode else self.idle_prefill_chunk
+        prefill = []
+        for row in self.running:
+            if budget <= 0:
+                break
+            if row.state is RowState.PREFILL:
+                n = min(row.remaining_prompt, budget)
+                prefill.append(PrefillChunk(row, row.prefilled, row.prefilled + n))
+                budget -= n
+        return StepPlan(decode, prefill)
+
+    def remove(self, row: Row) -> None:
+        """Take a finished or cancelled row out and free its KV at once."""
+        if row.state is RowState.WAITING:
+            try:
+                self.waiting.remove(row)
+            except ValueError:
+                pass
+        elif row in self.running:
+            self.running.remove(row)
+            self.reserved -= row.kv_bytes
+        if row.kv is not None:
+            self.cache.release(row.kv)
+            row.kv = None
+        row.state = RowState.FINISHED
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)

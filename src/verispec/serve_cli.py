@@ -1,0 +1,93 @@
+"""`verispec serve`: load a model, start the engine loop and the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+
+from verispec.cli import UserError
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+          "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'4GB', '512MiB', '1.5g', '1073741824' -> bytes (a bare number is bytes; GB is 10^9)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise UserError(f"cannot read {text!r} as a size: use bytes or a unit, e.g. 4GB, 512MiB, 2G")
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise UserError(f"the size must be positive, got {text!r}")
+    return value
+
+
+def add_serve_args(p) -> None:
+    p.add_argument("--model", "-m", default=None, help="model name, folder, .gguf or hub id (default: smollm2-135m-instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VERISPEC_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the -m value)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="weights dtype; auto = bfloat16 where the hardware runs it natively, else float32")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    g = p.add_argument_group("batching and memory")
+    g.add_argument("--kv-budget", type=parse_bytes, default=None, metavar="SIZE",
+                   help="KV cache for all running requests, e.g. 4GB (default: half the free RAM, 80%% of free GPU memory); "
+                        "requests queue when it is full, and one that can never fit gets a 400")
+    g.add_argument("--max-batch", type=int, default=None, metavar="N", help="most requests decoding at once (default 32)")
+    g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prompt tokens prefilled per step while others decode (default 128): smaller keeps streams "
+                        "smoother, larger gives a faster first token")
+    g.add_argument("--max-model-len", type=int, default=None, metavar="N", help="cap the context window (default: the model's)")
+    g.add_argument("--max-body-bytes", type=parse_bytes, default=None, metavar="SIZE", help="largest request body (default 8MiB)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level")
+
+
+def run_serve(args) -> int:
+    import torch
+
+    from verispec.engine.engine import Engine, EngineConfig
+    from verispec.models.loader import load_model, resolve_dtype
+    from verispec.models.registry import DEFAULT_MODEL
+    from verispec.models.tokenizer import generation_defaults
+    from verispec.server.app import ServerConfig, create_app
+    from verispec.server.errors import DEFAULT_MAX_BODY_BYTES
+
+    if not 0 < args.port < 65536:
+        raise UserError(f"--port must be in 1..65535, got {args.port}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = EngineConfig(
+        kv_budget=args.kv_budget,
+        **{k: v for k, v in (("max_rows", args.max_batch), ("prefill_chunk", args.prefill_chunk),
+                             ("max_model_len", args.max_model_len)) if v is not None},
+    )
+    spec = args.model or DEFAULT_MODEL
+    loaded = load_model(spec, dtype=resolve_dtype(args.dtype))
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, config)
+    name = args.served_model_name or spec
+    server_config = ServerConfig(
+        model_name=name,
+        api_key=args.api_key or None,
+        max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
+        generation_defaults=generation_defaults(loaded.folder),
+        aliases=tuple(a for a in (spec, loaded.name) if a != name),
+    )
+    app = create_app(engine, server_config)
+    print(
+        f"verispec: serving {name!r} ({loaded.model.dtype}, context {engine.max_model_len}, KV budget "
+        f"{engine.kv_budget / 2**30:.2f} GiB, up to {config.max_rows} rows) on http://{args.host}:{args.port}/v1"
+        + (" (API key required)" if server_config.api_key else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

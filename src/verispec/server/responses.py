@@ -1,0 +1,153 @@
+"""OpenAI response bodies: chat.completion(.chunk), text_completion, usage, logprobs.
+
+Shapes follow OpenAI's API reference: chat logprobs are `{"content": [{token, logprob,
+bytes, top_logprobs: [{token, logprob, bytes}]}]}`; completion logprobs are the legacy
+`{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`. Streaming
+chunks carry the same per-token entries for the tokens whose text they carry.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from verispec.engine.request import TokenInfo
+from verispec.models.tokenizer import TokenText
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def chat_logprobs(token_text: TokenText, infos: list[TokenInfo]) -> dict:
+    def entry(token_id: int, logprob: float) -> dict:
+        text, raw = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+
+    return {
+        "content": [
+            {**entry(info.token, info.logprob), "top_logprobs": [entry(t, lp) for t, lp in info.top]} for info in infos
+        ]
+    }
+
+
+def completion_logprobs(token_text: TokenText, infos: list[TokenInfo], text_offset: int) -> dict:
+    """Legacy logprobs; `text_offset` is where the first of these tokens starts in the
+    choice's text."""
+    tokens, offsets, offset = [], [], text_offset
+    for info in infos:
+        text = token_text(info.token)[0]
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [info.logprob for info in infos],
+        "top_logprobs": [{token_text(t)[0]: lp for t, lp in info.top} for info in infos],
+        "text_offset": offsets,
+    }
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """Engine finish reasons -> OpenAI's (abort and error never reach a client as a
+    normal finish: the stream carries an error instead)."""
+    return reason if reason in (None, "stop", "length") else "stop"
+
+
+class Choice:
+    """One choice's text and tokens as they accumulate."""
+
+    def __init__(self):
+        self.text: list[str] = []
+        self.chars = 0
+        self.tokens: list[TokenInfo] = []
+        self.finish_reason: str | None = None
+        self.completion_tokens = 0
+        self.error: str | None = None
+
+    def add(self, text: str, tokens: list[TokenInfo]) -> int:
+        """Append; return the character offset where this text starts."""
+        start = self.chars
+        self.text.append(text)
+        self.chars += len(text)
+        self.tokens.extend(tokens)
+        return start
+
+
+class ChatFormat:
+    """chat.completion and chat.completion.chunk bodies."""
+
+    object_final, object_chunk, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+
+    def __init__(self, model: str, token_text: TokenText, logprobs: bool):
+        self.model, self.token_text, self.logprobs = model, token_text, logprobs
+        self.id, self.created = new_id(self.id_prefix), now()
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def opening(self, n: int) -> list[dict]:
+        return [
+            self._envelope(self.object_chunk, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}])
+            for i in range(n)
+        ]
+
+    def _logprobs(self, tokens: list[TokenInfo], offset: int):
+        return chat_logprobs(self.token_text, tokens) if self.logprobs else None
+
+    def delta(self, index: int, text: str, tokens: list[TokenInfo], offset: int) -> dict:
+        return self._envelope(self.object_chunk, [{"index": index, "delta": {"content": text},
+                                                   "logprobs": self._logprobs(tokens, offset), "finish_reason": None}])
+
+    def finish(self, index: int, reason: str) -> dict:
+        return self._envelope(self.object_chunk, [{"index": index, "delta": {}, "logprobs": None,
+                                                   "finish_reason": finish_reason(reason)}])
+
+    def usage_chunk(self, usage_block: dict) -> dict:
+        return {**self._envelope(self.object_chunk, []), "usage": usage_block}
+
+    def final_choice(self, index: int, choice: Choice) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": "".join(choice.text)},
+                "logprobs": self._logprobs(choice.tokens, 0), "finish_reason": finish_reason(choice.finish_reason)}
+
+    def final(self, choices: list[Choice], usage_block: dict) -> dict:
+        body = self._envelope(self.object_final, [self.final_choice(i, c) for i, c in enumerate(choices)])
+        return {**body, "usage": usage_block, "system_fingerprint": None}
+
+
+class CompletionFormat(ChatFormat):
+    """text_completion bodies (the same object name for chunks, as OpenAI does)."""
+
+    object_final = object_chunk = "text_completion"
+    id_prefix = "cmpl"
+
+    def opening(self, n: int) -> list[dict]:
+        return []
+
+    def _logprobs(self, tokens: list[TokenInfo], offset: int):
+        return completion_logprobs(self.token_text, tokens, offset) if self.logprobs else None
+
+    def delta(self, index: int, text: str, tokens: list[TokenInfo], offset: int) -> dict:
+        return self._envelope(self.object_chunk, [{"index": index, "text": text,
+                                                   "logprobs": self._logprobs(tokens, offset), "finish_reason": None}])
+
+    def finish(self, index: int, reason: str) -> dict:
+        return self._envelope(self.object_chunk, [{"index": index, "text": "", "logprobs": None,
+                                                   "finish_reason": finish_reason(reason)}])
+
+    def final_choice(self, index: int, choice: Choice) -> dict:
+        return {"index": index, "text": "".join(choice.text), "logprobs": self._logprobs(choice.tokens, 0),
+                "finish_reason": finish_reason(choice.finish_reason)}
