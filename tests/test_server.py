@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.live_server import live_server
+from verispec.server.launch import live_server
 from verispec.models.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.real_model
@@ -198,6 +198,12 @@ def test_disconnect_mid_stream_frees_the_row_and_its_memory(base_url):
     assert wait_for(lambda: stats(base_url)["running"] == 0 and stats(base_url)["kv_bytes_in_use"] == 0, timeout=10)
     after = stats(base_url)
     assert after["requests_finished"].get("abort", 0) == before["requests_finished"].get("abort", 0) + 1
+    # a client that gives up on a non-streaming request frees its row too
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(base_url + "/v1/chat/completions", json={**body, "stream": False},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=1.5)
+    assert wait_for(lambda: stats(base_url)["running"] == 0 and stats(base_url)["kv_bytes_in_use"] == 0, timeout=10)
+    assert stats(base_url)["requests_finished"].get("abort", 0) == after["requests_finished"].get("abort", 0) + 1
 
 
 # -- bad input -----------------------------------------------------------------------------

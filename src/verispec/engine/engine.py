@@ -109,7 +109,8 @@ class Engine:
         self._pending_submits = 0  # submitted, not yet drained from the inbox (under _count_lock)
         self._count_lock = threading.Lock()
         self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # set by start()
+        self._loop_thread: threading.Thread | None = None  # whichever thread runs the loop
         self._stopping = False
         self.started_at = time.time()
 
@@ -184,18 +185,41 @@ class Engine:
         """Submit and wait for the whole answer (drives the loop inline when no thread runs it)."""
         collector = Collector()
         self.submit(request, collector)
-        if self._thread is None:
+        if self._loop_thread is None:
             self.run_until_idle()
         return collector.result(timeout)
 
     def start(self) -> None:
+        """Run the loop in a background thread. Prefer `run_forever()` on the thread that
+        loaded the model where speed matters: libgomp throttles its worker spinning once a
+        second thread has its own OpenMP team, and decode then runs at about 0.55x here."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="verispec-engine", daemon=True)
+            self._thread = threading.Thread(target=self.run_forever, name="verispec-engine", daemon=True)
             self._thread.start()
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def run_forever(self, keep_running=lambda: True) -> None:
+        """The engine loop, in the calling thread, until `stop()` (or `keep_running()` turns
+        false, checked at least every half second)."""
+        self._loop_thread = threading.current_thread()
+        while not self._stopping and keep_running():
+            try:
+                worked = self.step()
+            except Exception as e:  # noqa: BLE001 - the loop must survive anything a step does
+                log.exception("engine step failed")
+                for row in list(self._rows.values()):
+                    self._finish(row, FINISH_ERROR, error=f"engine error: {e}")
+                worked = False
+            if not worked:
+                self._wake.wait(0.5)
+                self._wake.clear()
+
+    def stop(self) -> None:
+        """Ask the loop to return after the current step (any thread; signal-safe)."""
         self._stopping = True
         self._wake.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.stop()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
@@ -205,7 +229,8 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is None or self._thread.is_alive()
+        """False once a loop that was running has stopped (what /health reports)."""
+        return self._loop_thread is None or (self._loop_thread.is_alive() and not self._stopping)
 
     def stats(self) -> dict:
         m = self.metrics
@@ -226,19 +251,6 @@ class Engine:
         }
 
     # -- the loop -------------------------------------------------------------------
-
-    def _loop(self) -> None:
-        while not self._stopping:
-            try:
-                worked = self.step()
-            except Exception as e:  # noqa: BLE001 - the loop must survive anything a step does
-                log.exception("engine step failed")
-                for row in list(self._rows.values()):
-                    self._finish(row, FINISH_ERROR, error=f"engine error: {e}")
-                worked = False
-            if not worked:
-                self._wake.wait(0.5)
-                self._wake.clear()
 
     def run_until_idle(self) -> None:
         while self.step() or self._rows:

