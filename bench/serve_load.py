@@ -44,6 +44,7 @@ class RequestResult:
     ttft: float
     decode_s: float
     tokens: int
+    gaps: list[float] = field(default_factory=list)  # seconds between consecutive content chunks
 
 
 @dataclass
@@ -60,6 +61,7 @@ class LevelResult:
         tokens = sum(r.tokens for r in self.requests)
         ttfts = sorted(r.ttft for r in self.requests)
         per_stream = [(r.tokens - 1) / r.decode_s for r in self.requests if r.tokens > 1 and r.decode_s > 0]
+        gaps = sorted(g for r in self.requests for g in r.gaps)
         return {
             "engine": self.engine,
             "concurrency": self.concurrency,
@@ -69,6 +71,7 @@ class LevelResult:
             "stream_tok_s": round(statistics.median(per_stream), 1) if per_stream else None,
             "ttft_p50_ms": round(_quantile(ttfts, 0.5) * 1000) if ttfts else None,
             "ttft_p95_ms": round(_quantile(ttfts, 0.95) * 1000) if ttfts else None,
+            "itl_p95_ms": round(_quantile(gaps, 0.95) * 1000) if gaps else None,
             "peak_rss_mb": round(self.peak_rss / 2**20),
         }
 
@@ -116,7 +119,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, model: str, prompt: st
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first = last = None
-    text, usage_tokens = [], None
+    text, usage_tokens, gaps = [], None, []
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -129,13 +132,15 @@ async def stream_one(client: httpx.AsyncClient, url: str, model: str, prompt: st
                 piece = (choice.get("delta") or {}).get("content")
                 if piece:
                     now = time.perf_counter()
+                    if last is not None:
+                        gaps.append(now - last)
                     first = first or now
                     last = now
                     text.append(piece)
     if first is None:
         raise RuntimeError("no content streamed")
     tokens = usage_tokens if usage_tokens else count_tokens("".join(text))
-    return RequestResult(first - t0, last - first, tokens)
+    return RequestResult(first - t0, last - first, tokens, gaps)
 
 
 async def run_level(url: str, model: str, prompts: list[str], concurrency: int, n_requests: int, max_tokens: int,
@@ -168,7 +173,7 @@ def engine_commands(name: str, port: int, args, folder: Path, gguf: Path) -> tup
     base = f"http://127.0.0.1:{port}"
     if name == "verispec":
         cmd = verispec_serve_command(port, "-m", args.model, "--dtype", args.dtype, "--threads", str(args.threads),
-                                     "--max-batch", str(max(args.levels)))
+                                     "--max-batch", str(max(args.levels)), *args.verispec_args.split())
         return cmd, base + "/health", args.model
     if name == "transformers":
         exe = Path(sys.executable).with_name("transformers")
@@ -177,8 +182,10 @@ def engine_commands(name: str, port: int, args, folder: Path, gguf: Path) -> tup
                "--host", "127.0.0.1", "--port", str(port)]
         return cmd, base + "/v1/models", str(folder)
     if name == "llama.cpp":
+        # interrupt_requests False: queue concurrent requests instead of cutting off the running stream
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port",
-               str(port), "--n_threads", str(args.threads), "--n_ctx", "4096"]
+               str(port), "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "4096",
+               "--interrupt_requests", "False"]
         return cmd, base + "/v1/models", str(gguf)
     raise SystemExit(f"unknown engine {name!r}")
 
@@ -217,6 +224,7 @@ def main() -> None:
     ap.add_argument("--max-prompt-tokens", type=int, default=512, help="longest ShareGPT prompt used (default 512)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--verispec-args", default="", help="extra `verispec serve` flags, e.g. '--prefill-chunk 256'")
     ap.add_argument("--logs", default=None, help="folder for the servers' logs (default: a temp folder)")
     args = ap.parse_args()
     args.levels = [int(x) for x in args.levels.split(",")]
@@ -262,13 +270,13 @@ def main() -> None:
     print(f"\n{args.model}, {args.dtype} weights, {args.threads} threads, ShareGPT prompts <= {args.max_prompt_tokens} "
           f"tokens, max_tokens {args.max_tokens}, greedy, streaming")
     header = f"{'engine':<13}{'conc':>5}{'reqs':>6}{'agg tok/s':>11}{'stream tok/s':>14}{'TTFT p50':>10}{'TTFT p95':>10}" \
-             f"{'peak RSS':>10}{'vs transformers':>17}"
+             f"{'ITL p95':>9}{'peak RSS':>10}{'vs transformers':>17}"
     print(header)
     for r in rows:
         ratio = r["agg_tok_s"] / base[r["concurrency"]] if base.get(r["concurrency"]) else float("nan")
         r["vs_transformers"] = round(ratio, 2) if ratio == ratio else None
         print(f"{r['engine']:<13}{r['concurrency']:>5}{r['requests']:>6}{r['agg_tok_s']:>11.1f}"
-              f"{(r['stream_tok_s'] or 0):>14.1f}{r['ttft_p50_ms']:>8} ms{r['ttft_p95_ms']:>7} ms"
+              f"{(r['stream_tok_s'] or 0):>14.1f}{r['ttft_p50_ms']:>8} ms{r['ttft_p95_ms']:>7} ms{r['itl_p95_ms']:>6} ms"
               f"{r['peak_rss_mb']:>7} MB{ratio:>16.2f}x" + (f"  ({r['errors']} errors)" if r["errors"] else ""))
     for name, reason in skipped.items():
         print(f"{name}: skipped ({reason})")

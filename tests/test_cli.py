@@ -78,3 +78,15 @@ def test_seeded_sampling_is_reproducible_and_prints_logprobs(smollm2_folder):
     assert first.returncode == 0 and first.stdout == second.stdout
     logprob_lines = [line for line in first.stderr.splitlines() if line and not line.startswith("[prompt")]
     assert len(logprob_lines) >= 1 and all(line.count(":") >= 2 for line in logprob_lines)
+
+
+def test_serve_help_teaches():
+    out = _run("serve", "--help").stdout
+    for expected in ("--host", "--port", "--api-key", "--kv-budget", "--max-batch", "--prefill-chunk", "127.0.0.1"):
+        assert expected in out
+
+
+@pytest.mark.parametrize("flags, words", [(["--kv-budget", "lots"], "size"), (["--port", "0"], "--port")])
+def test_serve_mistakes_are_one_line(flags, words):
+    proc = _run("serve", *flags)
+    assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr

@@ -12,6 +12,8 @@ import json
 import os
 import sys
 
+from verispec.errors import UserError
+
 DEFAULT_PROMPT_HELP = "the prompt text ('-' or omitted: read stdin)"
 
 EPILOG = """\
@@ -31,8 +33,6 @@ models (-m): an embedded model name (see `verispec models`), a Hugging Face fold
 """
 
 
-class UserError(Exception):
-    """A mistake the user can fix; printed as one line."""
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:

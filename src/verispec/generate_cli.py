@@ -6,7 +6,8 @@ import sys
 
 import torch
 
-from verispec.cli import UserError, parse_logit_bias, read_messages
+from verispec.cli import parse_logit_bias, read_messages
+from verispec.errors import UserError
 from verispec.engine.generate import GenerationStats
 from verispec.engine.request import RequestOutput, TokenInfo
 from verispec.engine.sampling import SamplingParams

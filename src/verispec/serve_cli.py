@@ -7,7 +7,7 @@ import os
 import re
 import sys
 
-from verispec.cli import UserError
+from verispec.errors import UserError
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
@@ -25,6 +25,16 @@ def parse_bytes(text: str) -> int:
     return value
 
 
+def _size_arg(text: str) -> int:
+    """parse_bytes for argparse: a bad size is argparse's usage error (exit 2), not a traceback."""
+    import argparse
+
+    try:
+        return parse_bytes(text)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_serve_args(p) -> None:
     p.add_argument("--model", "-m", default=None, help="model name, folder, .gguf or hub id (default: smollm2-135m-instruct)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -36,7 +46,7 @@ def add_serve_args(p) -> None:
                    help="weights dtype; auto = bfloat16 where the hardware runs it natively, else float32")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     g = p.add_argument_group("batching and memory")
-    g.add_argument("--kv-budget", type=parse_bytes, default=None, metavar="SIZE",
+    g.add_argument("--kv-budget", type=_size_arg, default=None, metavar="SIZE",
                    help="KV cache for all running requests, e.g. 4GB (default: half the free RAM, 80%% of free GPU memory); "
                         "requests queue when it is full, and one that can never fit gets a 400")
     g.add_argument("--max-batch", type=int, default=None, metavar="N", help="most requests decoding at once (default 32)")
@@ -44,7 +54,7 @@ def add_serve_args(p) -> None:
                    help="prompt tokens prefilled per step while others decode (default 128): smaller keeps streams "
                         "smoother, larger gives a faster first token")
     g.add_argument("--max-model-len", type=int, default=None, metavar="N", help="cap the context window (default: the model's)")
-    g.add_argument("--max-body-bytes", type=parse_bytes, default=None, metavar="SIZE", help="largest request body (default 8MiB)")
+    g.add_argument("--max-body-bytes", type=_size_arg, default=None, metavar="SIZE", help="largest request body (default 8MiB)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level")
 
 

@@ -167,8 +167,23 @@ def load_model(
 
     folder = resolve_model(spec, progress=progress)
     model = load_folder(folder, dtype=dtype, device=device, pack=pack)
+    release_freed_memory()
     tokenizer = load_tokenizer(folder)
     return LoadedModel(model, tokenizer, folder, stop_token_ids(folder, tokenizer), spec)
+
+
+def release_freed_memory() -> None:
+    """Hand the float32 staging tensors freed during loading back to the OS. glibc keeps
+    freed heap in its arenas; trimming took a served SmolLM2 (bf16) from 819 to 646 MB RSS.
+    A no-op where the C library has no malloc_trim."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
