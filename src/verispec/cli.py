@@ -25,6 +25,8 @@ examples:
   verispec generate --raw "The capital of France is"       plain completion, no template
   verispec generate -m gemma3-270m --raw --max-tokens 64 "Once upon a time"
   verispec generate --temperature 0.8 --top-p 0.95 --seed 7 "Tell me a story"
+  verispec generate --speculate ngram "Repeat this paragraph, fixing typos: ..."
+  verispec serve --draft-model ./smaller-same-tokenizer-model
   verispec models                                           list the embedded models
   verispec pull gemma3-270m                                 fetch + convert once
 
@@ -49,6 +51,18 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=None, help="reproducible sampling (default: a fresh random seed)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N", help="print each token's logprob and N alternatives")
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding (lossless: the same tokens at temperature 0, the same distribution above)")
+    g.add_argument("--speculate", choices=["ngram", "none"], default=None,
+                   help="ngram: draft by prompt lookup (no weights; pays on edits, summaries, code); none: off")
+    g.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="a smaller model with the same tokenizer drafts (name, folder, .gguf or hub id)")
+    g.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
+                   help="most draft tokens a request verifies per step (default 8); fewer are drafted when they do not pay")
+    g.add_argument("--fixed-draft", action="store_true",
+                   help="always draft --num-draft-tokens (turn off the cost-based draft length policy)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     gen.add_argument("--quiet-stats", action="store_true", help="do not print the closing stats line")
     _add_sampling_args(gen)
+    add_spec_args(gen)
 
     serve = sub.add_parser(
         "serve",
@@ -96,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     from verispec.serve_cli import add_serve_args
 
     add_serve_args(serve)
+    add_spec_args(serve)
 
     sub.add_parser("models", help="list the embedded models and whether they are cached")
     pull = sub.add_parser("pull", help="fetch and convert an embedded model into the cache")

@@ -66,6 +66,7 @@ def run_generate(args) -> int:
     from verispec.engine.request import GenerationRequest
     from verispec.models.loader import load_model, resolve_dtype
     from verispec.models.registry import DEFAULT_MODEL
+    from verispec.spec.factory import build_drafter, engine_options
 
     params = sampling_params_from_args(args)
     if args.max_tokens <= 0:
@@ -77,7 +78,9 @@ def run_generate(args) -> int:
     max_new = check_context(len(prompt), args.max_tokens, loaded.model.args.max_position_embeddings)
 
     # the same engine as the server, driven inline for one request
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, EngineConfig(max_rows=1))
+    drafter = build_drafter(loaded, args.speculate, args.draft_model, loaded.model.dtype)
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, EngineConfig(max_rows=1, **engine_options(args)),
+                    drafter=drafter)
     tokens: list[TokenInfo] = []
     final: list[RequestOutput] = []
     out = sys.stdout
@@ -101,7 +104,7 @@ def run_generate(args) -> int:
     if not args.quiet_stats:
         stats = GenerationStats(len(prompt), done.completion_tokens, done.time_to_first_token or 0.0,
                                 done.decode_time or 0.0, done.finish_reason)
-        print(format_stats(stats), file=sys.stderr)
+        print(format_stats(stats, done.speculation), file=sys.stderr)
     return 0
 
 
@@ -111,8 +114,12 @@ def print_logprobs(tokenizer, tokens: list[TokenInfo]) -> None:
         print(f"{tokenizer.decode([info.token])!r:>16} {info.logprob:8.3f}   {alts}", file=sys.stderr)
 
 
-def format_stats(s: GenerationStats) -> str:
+def format_stats(s: GenerationStats, speculation: dict | None = None) -> str:
+    spec = ""
+    if speculation:
+        spec = (f" | spec: {speculation['accepted']}/{speculation['drafted']} drafts accepted, "
+                f"{speculation['mean_accepted_length']:.2f} tok/round")
     return (
         f"[prompt {s.prompt_tokens} tok | TTFT {s.prefill_s * 1000:.0f} ms ({s.prefill_tok_s:.0f} tok/s prefill) | "
-        f"{s.generated_tokens} tok at {s.decode_tok_s:.1f} tok/s decode | finish: {s.finish_reason}]"
+        f"{s.generated_tokens} tok at {s.decode_tok_s:.1f} tok/s decode{spec} | finish: {s.finish_reason}]"
     )

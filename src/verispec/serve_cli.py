@@ -67,6 +67,7 @@ def run_serve(args) -> int:
     from verispec.models.tokenizer import generation_defaults
     from verispec.server.app import ServerConfig, create_app
     from verispec.server.errors import DEFAULT_MAX_BODY_BYTES
+    from verispec.spec.factory import build_drafter, engine_options
 
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
@@ -76,10 +77,12 @@ def run_serve(args) -> int:
         kv_budget=args.kv_budget,
         **{k: v for k, v in (("max_rows", args.max_batch), ("prefill_chunk", args.prefill_chunk),
                              ("max_model_len", args.max_model_len)) if v is not None},
+        **engine_options(args),
     )
     spec = args.model or DEFAULT_MODEL
     loaded = load_model(spec, dtype=resolve_dtype(args.dtype))
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, config)
+    drafter = build_drafter(loaded, args.speculate, args.draft_model, loaded.model.dtype)
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, config, drafter=drafter)
     name = args.served_model_name or spec
     server_config = ServerConfig(
         model_name=name,
@@ -91,7 +94,9 @@ def run_serve(args) -> int:
     app = create_app(engine, server_config, manage_engine=False)
     print(
         f"verispec: serving {name!r} ({loaded.model.dtype}, context {engine.max_model_len}, KV budget "
-        f"{engine.kv_budget / 2**30:.2f} GiB, up to {config.max_rows} rows) on http://{args.host}:{args.port}/v1"
+        f"{engine.kv_budget / 2**30:.2f} GiB, up to {config.max_rows} rows"
+        + (f", speculation: {engine.speculator.provider.describe()}" if engine.speculator else "")
+        + f") on http://{args.host}:{args.port}/v1"
         + (" (API key required)" if server_config.api_key else ""),
         file=sys.stderr,
         flush=True,

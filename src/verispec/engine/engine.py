@@ -45,10 +45,12 @@ from verispec.engine.request import (
     Sink,
     TokenInfo,
 )
+from verispec.engine import runner
 from verispec.engine.row import Row, RowState
-from verispec.engine.sampling import process_logits, sample, token_logprobs
-from verispec.engine.scheduler import Scheduler, StepPlan
-from verispec.models.decoder import BatchKV, Decoder
+from verispec.engine.runner import Work
+from verispec.engine.scheduler import Scheduler
+from verispec.models.decoder import Decoder
+from verispec.spec.source import Draft, DraftProvider
 
 log = logging.getLogger("verispec.engine")
 
@@ -61,6 +63,9 @@ DEFAULT_MAX_ROWS = 32
 DEFAULT_PREFILL_CHUNK = 128
 DEFAULT_IDLE_PREFILL_CHUNK = 512  # when nothing decodes, only time to first token matters
 DEFAULT_MAX_WAITING = 1024
+DEFAULT_NUM_DRAFT_TOKENS = 8
+# a rejected tail is rolled back from the KV cache; sliding-window rings keep this margin
+MAX_DRAFT_TOKENS = 63
 KV_BUDGET_FRACTION_CPU = 0.5  # of available RAM after the model is loaded
 KV_BUDGET_FRACTION_GPU = 0.8  # of free device memory
 
@@ -73,11 +78,15 @@ class EngineConfig:
     idle_prefill_chunk: int = DEFAULT_IDLE_PREFILL_CHUNK
     max_waiting: int = DEFAULT_MAX_WAITING
     max_model_len: int | None = None  # context cap; None: the model's own
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS  # most drafts a row verifies per step (with a drafter)
+    adaptive_draft: bool = True  # draft only as much as pays (spec/policy.py); False: always the most
 
     def __post_init__(self):
-        for name in ("max_rows", "prefill_chunk", "idle_prefill_chunk", "max_waiting"):
+        for name in ("max_rows", "prefill_chunk", "idle_prefill_chunk", "max_waiting", "num_draft_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_draft_tokens > MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens is at most {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}")
         if self.kv_budget is not None and self.kv_budget <= 0:
             raise ValueError(f"kv_budget must be positive, got {self.kv_budget}")
 
@@ -92,7 +101,8 @@ def default_kv_budget(device: torch.device) -> int:
 
 
 class Engine:
-    def __init__(self, model: Decoder, tokenizer, stop_ids: Sequence[int], config: EngineConfig | None = None):
+    def __init__(self, model: Decoder, tokenizer, stop_ids: Sequence[int], config: EngineConfig | None = None,
+                 drafter: DraftProvider | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.stop_ids = frozenset(stop_ids)
@@ -115,6 +125,21 @@ class Engine:
         self._loop_thread: threading.Thread | None = None  # whichever thread runs the loop
         self._stopping = False
         self.started_at = time.time()
+        self.speculator = self._speculator(drafter)
+
+    def _speculator(self, drafter: DraftProvider | None):
+        from verispec.spec.policy import StepCosts, measure_step_costs
+        from verispec.spec.speculator import Speculator, speculation_enabled
+
+        if drafter is None:
+            return None
+        if not speculation_enabled():
+            log.warning("VERISPEC_SPEC=0: speculation is off (%s not used)", drafter.describe())
+            return None
+        adaptive = self.config.adaptive_draft
+        costs = measure_step_costs(self.model) if adaptive else StepCosts.flat()
+        draft_cost = drafter.draft_cost_per_token(costs) if adaptive else 0.0
+        return Speculator(drafter, self.config.num_draft_tokens, costs, adaptive, draft_cost)
 
     # -- API (any thread) -----------------------------------------------------------
 
@@ -250,6 +275,7 @@ class Engine:
             "generation_tokens": m.generation_tokens,
             "steps": m.steps,
             "uptime_s": round(time.time() - self.started_at, 1),
+            "speculation": self.speculator.stats() if self.speculator is not None else None,
         }
 
     # -- the loop -------------------------------------------------------------------
@@ -259,27 +285,61 @@ class Engine:
             pass
 
     def step(self) -> bool:
-        """One engine step; False when there was nothing to do."""
+        """One engine step; False when there was nothing to do.
+
+        Decoding rows feed [pending, drafts...], prompts feed their next chunk, all in one
+        forward; then every emitting row keeps its verified drafts and samples the token
+        after them (runner.py), and the tokens are accepted one at a time."""
         self._drain_inbox()
         plan = self.scheduler.plan()
         if not plan:
             return False
-        feeds = [(row, [row.pending]) for row in plan.decode]
-        feeds += [(c.row, c.row.request.prompt_ids[c.start : c.stop]) for c in plan.prefill]
-        samplers = list(plan.decode) + [c.row for c in plan.prefill if c.completes_prompt]
-        logits, samplers = self._forward(feeds, samplers)
-        for chunk in plan.prefill:
-            if chunk.row.state is RowState.PREFILL:
-                chunk.row.prefilled = chunk.stop
-                if chunk.completes_prompt:
-                    chunk.row.state = RowState.DECODE
+        spec = self.speculator
+        if spec is not None:
+            for row in plan.admitted:
+                spec.attach(row)
+        prefill_tokens = sum(c.stop - c.start for c in plan.prefill)
+        drafts = spec.propose(plan.decode, len(plan.decode) + prefill_tokens) if spec else None
+        work = [Work(row, [row.pending] + (drafts[i].tokens if drafts else []), True,
+                     drafts[i] if drafts else Draft(), decode=True) for i, row in enumerate(plan.decode)]
+        chunks = {}
+        for c in plan.prefill:
+            item = Work(c.row, c.row.request.prompt_ids[c.start : c.stop], c.completes_prompt)
+            chunks[id(item)] = c
+            work.append(item)
+        done = runner.forward(self.model, work, spec.taps if spec else (), self._fail)
         self.metrics.steps += 1
-        self.metrics.step_tokens += sum(len(t) for _, t in feeds)
-        if samplers:
-            for row, info in zip(samplers, self._sample(samplers, logits)):
-                if info is not None:
-                    self._accept(row, info)
+        self.metrics.step_tokens += sum(len(w.tokens) for w in done)
+        for item in done:
+            chunk = chunks.get(id(item))
+            if chunk is not None:
+                item.row.prefilled = chunk.stop
+                if chunk.completes_prompt:
+                    item.row.state = RowState.DECODE
+                if spec is not None:
+                    spec.prefill(item.row, item.tokens, item.hidden)
+        emitting = [w for w in done if w.emits and w.row.state is not RowState.FINISHED]
+        for item, infos in (runner.decide(emitting, self._fail) if emitting else []):
+            self._advance(item, infos)
         return True
+
+    def _advance(self, item: Work, infos: list[TokenInfo]) -> None:
+        """A row's tokens of this step: roll back what verification rejected, tell its
+        source, then accept the tokens one at a time (a stop inside a burst ends it there)."""
+        row = item.row
+        rejected = len(item.draft) - (len(infos) - 1)
+        if rejected:
+            row.kv.rollback(rejected)
+        if self.speculator is not None and item.decode:
+            self.speculator.commit(row, item.draft, [i.token for i in infos], item.hidden)
+        self._observe_latency(row, len(infos))
+        for info in infos:
+            self._accept(row, info)
+            if row.state is RowState.FINISHED:
+                break
+
+    def _fail(self, row: Row, error: Exception) -> None:
+        self._finish(row, FINISH_ERROR, error=f"{type(error).__name__}: {error}")
 
     def _drain_inbox(self) -> None:
         while True:
@@ -298,106 +358,19 @@ class Engine:
                 if row is not None:
                     self._finish(row, FINISH_ABORT)
 
-    # -- forward, with failures kept to their row ---------------------------------------
-
-    def _forward(self, feeds: list[tuple[Row, list[int]]], samplers: list[Row]) -> tuple[torch.Tensor, list[Row]]:
-        """Logits at the last fed position of each sampling row. If the batched forward
-        raises, each row is run alone and only the rows that still fail are dropped."""
-        try:
-            return self._run(feeds, samplers), samplers
-        except Exception as e:  # noqa: BLE001
-            if len(feeds) == 1:
-                self._finish(feeds[0][0], FINISH_ERROR, error=f"forward failed: {e}")
-                return torch.empty(0), []
-            log.warning("batched forward failed (%s); retrying row by row", e)
-        pieces, alive = [], []
-        for feed in feeds:
-            row = feed[0]
-            wants = [row] if row in samplers else []
-            try:
-                out = self._run([feed], wants)
-            except Exception as e:  # noqa: BLE001
-                self._finish(row, FINISH_ERROR, error=f"forward failed: {e}")
-                continue
-            if wants:
-                pieces.append(out)
-                alive.append(row)
-        return (torch.cat(pieces) if pieces else torch.empty(0)), alive
-
-    def _run(self, feeds: list[tuple[Row, list[int]]], samplers: list[Row]) -> torch.Tensor:
-        seqs = [row.kv for row, _ in feeds]
-        lengths = [seq.length for seq in seqs]
-        ids = torch.tensor([t for _, tokens in feeds for t in tokens], dtype=torch.long, device=self.model.device)
-        last, at = {}, 0  # flat index of each row's last fed token
-        for row, tokens in feeds:
-            at += len(tokens)
-            last[row.id] = at - 1
-        ends = [last[row.id] for row in samplers]
-        try:
-            out = self.model(
-                ids,
-                BatchKV(seqs, [len(t) for _, t in feeds]),
-                logits_at=torch.tensor(ends, dtype=torch.long, device=self.model.device),
-            )
-        except Exception:
-            for seq, n in zip(seqs, lengths):  # nothing of a failed forward stays in any cache
-                if seq.length > n:
-                    seq.rollback(seq.length - n)
-            raise
-        return out.logits
-
-    # -- sampling -------------------------------------------------------------------
-
-    def _sample(self, rows: list[Row], logits: torch.Tensor) -> list[TokenInfo | None]:
-        try:
-            return self._sample_batch(rows, logits)
-        except Exception as e:  # noqa: BLE001
-            if len(rows) == 1:
-                self._finish(rows[0], FINISH_ERROR, error=f"sampling failed: {e}")
-                return [None]
-            log.warning("batched sampling failed (%s); sampling row by row", e)
-        infos: list[TokenInfo | None] = []
-        for i, row in enumerate(rows):
-            try:
-                infos.extend(self._sample_batch([row], logits[i : i + 1]))
-            except Exception as e:  # noqa: BLE001
-                self._finish(row, FINISH_ERROR, error=f"sampling failed: {e}")
-                infos.append(None)
-        return infos
-
-    def _sample_batch(self, rows: list[Row], logits: torch.Tensor) -> list[TokenInfo]:
-        params = [r.params for r in rows]
-        histories = any(p.has_penalties for p in params)
-        processed = process_logits(
-            logits,
-            params,
-            [r.prompt_tensor for r in rows] if histories else None,
-            [r.output for r in rows] if histories else None,
-        )
-        tokens = sample(processed, params, [r.generator for r in rows])
-        token_list = tokens.tolist()
-        infos = [TokenInfo(t) for t in token_list]
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if want:
-            index = torch.tensor(want)
-            lp = token_logprobs(logits[index], tokens[index], max(params[i].logprobs for i in want))
-            chosen, top_ids, top_lps = lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
-            for j, i in enumerate(want):
-                k = params[i].logprobs
-                infos[i].logprob = chosen[j]
-                infos[i].top = list(zip(top_ids[j][:k], top_lps[j][:k]))
-        return infos
-
     # -- one new token for one row ----------------------------------------------------------
 
-    def _accept(self, row: Row, info: TokenInfo) -> None:
+    def _observe_latency(self, row: Row, n_tokens: int) -> None:
         now = time.perf_counter()
         if row.first_token_at is None:
             row.first_token_at = now
             self.metrics.ttft.observe(now - row.arrival)
-        else:
-            self.metrics.inter_token.observe(now - row.last_token_at)
+            n_tokens -= 1
+        if n_tokens > 0:  # a burst of accepted drafts: each token waited its share
+            self.metrics.inter_token.observe((now - row.last_token_at) / n_tokens, times=n_tokens)
         row.last_token_at = now
+
+    def _accept(self, row: Row, info: TokenInfo) -> None:
         if info.token in self.stop_ids and not row.request.ignore_eos:
             released = row.text.finish()  # EOS is never content; held-back text is
             self._finish(row, FINISH_STOP, text=released.text, n_tokens=released.tokens)
@@ -422,6 +395,7 @@ class Engine:
         out = RequestOutput(row.id, text, tokens, finish, error, row.prompt_len, len(row.output))
         if finish is not None:
             out.time_to_first_token, out.decode_time = row.timings()
+            out.speculation = row.spec.usage() if row.spec is not None else None
         try:
             row.sink(out)
         except Exception:  # noqa: BLE001 - a broken consumer must not break the engine
@@ -432,6 +406,8 @@ class Engine:
             return
         self.scheduler.remove(row)
         self._rows.pop(row.id, None)
+        if self.speculator is not None:
+            self.speculator.detach(row)
         self.metrics.requests_finished[reason] += 1
         self.metrics.e2e.observe(time.perf_counter() - row.arrival)
         if error:

@@ -60,6 +60,7 @@ class RequestOutput:
     # on the final delta: seconds from arrival to the first token, and from it to the last
     time_to_first_token: float | None = None
     decode_time: float | None = None
+    speculation: dict | None = None  # drafted / accepted / rounds / mean_accepted_length, with a drafter
 
     @property
     def finished(self) -> bool:
@@ -80,6 +81,7 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    speculation: dict | None = None
 
 
 class Collector:
@@ -100,5 +102,5 @@ class Collector:
             if out.finished:
                 return Completion(
                     "".join(text), [t.token for t in tokens], tokens, out.finish_reason, out.prompt_tokens,
-                    out.completion_tokens, out.error,
+                    out.completion_tokens, out.error, out.speculation,
                 )

@@ -43,6 +43,10 @@ class Row:
         self.generator = None if self.params.is_greedy else make_generator(self.params.seed)
         # penalties read the prompt every step: one tensor, made once
         self.prompt_tensor = torch.tensor(request.prompt_ids, dtype=torch.long) if self.params.has_penalties else None
+        # speculation (spec/speculator.py attaches these when the engine has a drafter)
+        self.source = None
+        self.source_needs_hidden = False
+        self.spec = None
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None

@@ -60,6 +60,7 @@ __all__ = [
     "History",
     "SamplingParams",
     "TokenLogprobs",
+    "inverse_cdf_draw",
     "make_generator",
     "process_logits",
     "sample",
@@ -503,11 +504,11 @@ def sample(
     for generator, rows in rows_by_generator.values():
         index = torch.tensor(rows, device=processed.device)
         probs = processed.index_select(0, index).float().softmax(dim=-1)
-        tokens.index_copy_(0, index, _inverse_cdf_draw(probs, generator))
+        tokens.index_copy_(0, index, inverse_cdf_draw(probs, generator))
     return tokens
 
 
-def _inverse_cdf_draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def inverse_cdf_draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One exact draw per row of ``probs`` from a single uniform per row.
 
     Inverse CDF: the token is the first index whose cumulative mass exceeds

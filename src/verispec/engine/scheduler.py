@@ -37,6 +37,7 @@ class PrefillChunk:
 class StepPlan:
     decode: list[Row]
     prefill: list[PrefillChunk]
+    admitted: list[Row]  # rows that got their KV this step
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
@@ -71,7 +72,7 @@ class Scheduler:
         return admitted
 
     def plan(self) -> StepPlan:
-        self.admit()
+        admitted = self.admit()
         decode = [r for r in self.running if r.state is RowState.DECODE]
         budget = self.prefill_chunk if decode else self.idle_prefill_chunk
         prefill = []
@@ -82,7 +83,7 @@ class Scheduler:
                 n = min(row.remaining_prompt, budget)
                 prefill.append(PrefillChunk(row, row.prefilled, row.prefilled + n))
                 budget -= n
-        return StepPlan(decode, prefill)
+        return StepPlan(decode, prefill, admitted)
 
     def remove(self, row: Row) -> None:
         """Take a finished or cancelled row out and free its KV at once."""

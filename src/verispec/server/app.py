@@ -125,7 +125,7 @@ def create_app(engine: Engine, config: ServerConfig, manage_engine: bool = True)
         failed = next((c for c in choices if c.finish_reason in (FINISH_ERROR, FINISH_ABORT)), None)
         if failed is not None:
             raise ApiError(500, f"generation failed: {failed.error or failed.finish_reason}")
-        return JSONResponse(fmt.final(choices, usage(prompt_tokens, sum(c.completion_tokens for c in choices))))
+        return JSONResponse(fmt.final(choices, usage(prompt_tokens, choices)))
 
     async def collect(request: Request, stream: EngineStream, n: int) -> list[Choice]:
         choices = [Choice() for _ in range(n)]
@@ -143,8 +143,7 @@ def create_app(engine: Engine, config: ServerConfig, manage_engine: bool = True)
             choice = choices[index]
             choice.add(out.text, out.tokens)
             if out.finished:
-                choice.finish_reason, choice.completion_tokens = out.finish_reason, out.completion_tokens
-                choice.error = out.error
+                choice.finish(out)
         return choices
 
     async def stream_events(stream: EngineStream, fmt: ChatFormat, n: int, prompt_tokens: int, include_usage: bool):
@@ -165,11 +164,11 @@ def create_app(engine: Engine, config: ServerConfig, manage_engine: bool = True)
                     offset = choice.add(out.text, out.tokens)
                     yield chunk(fmt.delta(index, out.text, out.tokens, offset))
                 if out.finished:
-                    choice.completion_tokens = out.completion_tokens
+                    choice.finish(out)
                     yield chunk(fmt.finish(index, out.finish_reason))
             else:
                 if include_usage:
-                    yield sse(fmt.usage_chunk(usage(prompt_tokens, sum(c.completion_tokens for c in choices))))
+                    yield sse(fmt.usage_chunk(usage(prompt_tokens, choices)))
             yield DONE
         finally:
             stream.close()  # client gone or done: cancel what still runs, free its memory

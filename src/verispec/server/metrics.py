@@ -58,6 +58,18 @@ def render(engine: Engine, http_requests: Counter) -> str:
     w.histogram("verispec_time_to_first_token_seconds", "Arrival to first generated token.", m.ttft)
     w.histogram("verispec_inter_token_latency_seconds", "Time between a request's consecutive tokens.", m.inter_token)
     w.histogram("verispec_e2e_request_latency_seconds", "Arrival to finish.", m.e2e)
+    spec = engine.speculator
+    if spec is not None:
+        t = spec.totals
+        w.metric("verispec_spec_drafted_tokens_total", "counter", "Draft tokens proposed and verified.", [({}, t.drafted)])
+        w.metric("verispec_spec_accepted_tokens_total", "counter", "Draft tokens accepted.", [({}, t.accepted)])
+        w.metric("verispec_spec_rounds_total", "counter", "Decode rounds (target forwards) of speculating rows.",
+                 [({}, t.rounds)])
+        w.metric("verispec_spec_emitted_tokens_total", "counter", "Tokens those rounds emitted (bonus included).",
+                 [({}, t.emitted)])
+        w.metric("verispec_spec_position_acceptance", "gauge",
+                 "P(draft at position j accepted | drafts before it accepted).",
+                 [({"position": str(j)}, a / r) for j, (a, r) in enumerate(zip(spec.accepted_at, spec.reached_at)) if r])
     w.metric("verispec_http_requests_total", "counter", "HTTP requests, by route and status.",
              [({"route": route, "status": status}, n) for (route, status), n in sorted(http_requests.items())])
     return w.text()

@@ -23,11 +23,28 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, choices: list["Choice"]) -> dict:
+    completion_tokens = sum(c.completion_tokens for c in choices)
+    block = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+    }
+    spec = [c.speculation for c in choices if c.speculation]
+    if spec:
+        block["speculation"] = merge_speculation(spec)
+    return block
+
+
+def merge_speculation(blocks: list[dict]) -> dict:
+    """One request's choices together: counts add up, tau is per round over all of them."""
+    rounds = sum(b["rounds"] for b in blocks)
+    emitted = sum(b["mean_accepted_length"] * b["rounds"] for b in blocks)
+    return {
+        "drafted": sum(b["drafted"] for b in blocks),
+        "accepted": sum(b["accepted"] for b in blocks),
+        "rounds": rounds,
+        "mean_accepted_length": round(emitted / rounds, 3) if rounds else 0.0,
     }
 
 
@@ -76,6 +93,11 @@ class Choice:
         self.finish_reason: str | None = None
         self.completion_tokens = 0
         self.error: str | None = None
+        self.speculation: dict | None = None
+
+    def finish(self, out) -> None:
+        self.finish_reason, self.completion_tokens = out.finish_reason, out.completion_tokens
+        self.error, self.speculation = out.error, out.speculation
 
     def add(self, text: str, tokens: list[TokenInfo]) -> int:
         """Append; return the character offset where this text starts."""

@@ -1,0 +1,137 @@
+"""How many tokens to draft for a row this step: only as many as are expected to pay.
+
+A row whose drafts are accepted with probability `a` each (given the ones before were)
+emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per step with k drafts. The step costs more:
+the target forward grows from the batch's `n` decode tokens to n + k (measured once per
+engine by `measure_step_costs`: on a 2-core CPU one extra token costs ~15% of a step and
+each further one ~3%; on a GPU nearly nothing), plus whatever producing the drafts costs
+(`draft_cost_per_token`, in single-token target steps; 0 for n-gram lookup), and that
+slows down every row of the batch. The policy picks the k that maximizes the step's
+throughput, (n - 1 + E(k)) / n / slowdown(k), and drafts nothing when no k beats plain
+decoding, which is what keeps speculation from slowing down text it cannot predict.
+
+`a` is estimated per row from its own history (accepted / (accepted + rejected), starting
+from a prior worth a few rounds). A row that stopped drafting probes with one token every
+`PROBE_EVERY` steps, so it notices when its text turns predictable (a quote, code being
+repeated); a probe costs ~15% of one step in `PROBE_EVERY`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+PRIOR_ACCEPT = 0.5  # the estimate a row starts from ...
+PRIOR_WEIGHT = 4.0  # ... worth this many drafted tokens of evidence
+PROBE_EVERY = 8
+
+
+@dataclass
+class AcceptanceEstimate:
+    accepted: float = PRIOR_ACCEPT * PRIOR_WEIGHT
+    rejected: float = (1 - PRIOR_ACCEPT) * PRIOR_WEIGHT
+    idle_steps: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def update(self, drafted: int, kept: int) -> None:
+        """A round with `drafted` proposals of which the first `kept` were accepted."""
+        if drafted == 0:
+            return
+        self.accepted += kept
+        self.rejected += 1 if kept < drafted else 0
+
+
+def expected_tokens(a: float, k: int) -> float:
+    if a >= 1.0:
+        return k + 1.0
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+class StepCosts:
+    """Relative cost of a target forward over n decode tokens (n = 1 costs 1.0),
+    interpolated between measured points; beyond the last point, linear."""
+
+    def __init__(self, points: dict[int, float]):
+        self.n = sorted(points)
+        self.base_seconds = points[self.n[0]]  # the smallest measured forward, in seconds
+        self.cost = [points[n] / self.base_seconds for n in self.n]
+
+    def __call__(self, n: int) -> float:
+        ns, cs = self.n, self.cost
+        if n <= ns[0]:
+            return cs[0]
+        for (n0, c0), (n1, c1) in zip(zip(ns, cs), zip(ns[1:], cs[1:])):
+            if n <= n1:
+                return c0 + (c1 - c0) * (n - n0) / (n1 - n0)
+        slope = (cs[-1] - cs[-2]) / (ns[-1] - ns[-2])
+        return cs[-1] + slope * (n - ns[-1])
+
+    @classmethod
+    def flat(cls) -> "StepCosts":
+        return cls({1: 1.0, 2: 1.0})
+
+
+class DraftPolicy:
+    def __init__(self, max_draft: int, costs: StepCosts, draft_cost_per_token: float = 0.0):
+        self.max_draft = max_draft
+        self.costs = costs
+        self.draft_cost = draft_cost_per_token
+
+    def choose(self, estimate: AcceptanceEstimate, batch_tokens: int, limit: int) -> int:
+        """Drafts for one row, given the step's other decode tokens (`batch_tokens`,
+        this row's pending token included) and the most the row may take (`limit`)."""
+        limit = min(limit, self.max_draft)
+        if limit <= 0:
+            return 0
+        a = estimate.rate
+        base = self.costs(batch_tokens)
+        best_k, best = 0, 1.0
+        for k in range(1, limit + 1):
+            # the whole step's throughput: this row's extra tokens slow every row down
+            slowdown = (self.costs(batch_tokens + k) + self.draft_cost * k) / base
+            value = (batch_tokens - 1 + expected_tokens(a, k)) / batch_tokens / slowdown
+            if value > best:
+                best_k, best = k, value
+        if best_k == 0:
+            estimate.idle_steps += 1
+            if estimate.idle_steps >= PROBE_EVERY:
+                estimate.idle_steps = 0
+                return 1
+            return 0
+        estimate.idle_steps = 0
+        return best_k
+
+
+@torch.inference_mode()
+def measure_step_costs(model, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), context: int = 64,
+                       repeats: int = 3) -> StepCosts:
+    """Time a target forward of n tokens after a short context, for each n (best of
+    `repeats`). About a second on a 2-core CPU for a 135M model."""
+    from verispec.models.decoder import BatchKV
+
+    cache = model.new_cache()
+    seq = cache.allocate(context + max(sizes) + 1)
+    ids = torch.randint(0, model.args.vocab_size, (context + max(sizes),), device=model.device)
+    model(ids[:context], BatchKV([seq], [context]))
+    points = {}
+    for n in sizes:
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            model(ids[context : context + n], BatchKV([seq], [n]), logits_at=torch.arange(n, device=model.device))
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+            seq.rollback(n)
+        points[n] = best
+    cache.release(seq)
+    # costs never fall with more tokens; timing noise can say otherwise
+    running = 0.0
+    for n in sizes:
+        running = points[n] = max(points[n], running)
+    return StepCosts(points)

@@ -1,0 +1,98 @@
+"""The DraftSource seam: who proposes tokens, and what they are told back.
+
+A `DraftProvider` lives as long as the server and owns whatever is shared (a draft
+model's weights); it mints one `DraftSource` per request. The engine talks to sources
+in the order tokens move through a row:
+
+    prefill(tokens, hidden)          a chunk of the prompt entered the target's KV cache
+    draft(pending, max_n) -> Draft   propose up to max_n tokens to follow `pending` (the
+                                     last sampled token, about to be fed); the returned
+                                     length is authoritative, 0 is fine
+    commit(kept, next, hidden)       `kept` = [pending, the accepted drafts]: the tokens that
+                                     entered the target's cache this step; `next` was sampled
+                                     after them (the new pending); `hidden` are the target's
+                                     tapped states at those positions. Called after every
+                                     decode step, drafted or not.
+    close()                          the request ended; free what the source holds
+
+`hidden` is a tuple with one [n, hidden_size] tensor per layer in the provider's `taps`
+(layer ids as models/decoder.py counts them: -1 = embeddings, i = output of layer i), or
+None when the provider asks for none; the target computes them in the same forward, so a
+source that needs none costs nothing.
+
+A `Draft` carries the proposed tokens and, when the source sampled them from a
+distribution, that distribution `q` per position, processed by the request's own
+processors (temperature, top-k/p, min-p, penalties) exactly as the target's `p` is, so
+speculative sampling can use min(1, p/q). A source without `q` (n-gram) proposes tokens
+deterministically; verification then samples from `p` and keeps drafts while they match.
+
+`draft_batch` lets a provider propose for all rows of a step at once (a draft model runs
+one batched forward per draft position instead of one per row); the default asks each
+source in turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from verispec.engine.sampling import SamplingParams
+
+Hidden = tuple[torch.Tensor, ...]
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    q: torch.Tensor | None = None  # [len(tokens), V] float32 probabilities each token was drawn from
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class SourceContext:
+    """What a source may read about its request: the prompt, the output so far (a live
+    list: it grows as tokens are accepted; its last item is the pending token), the
+    sampling parameters and the request's seed."""
+
+    prompt: list[int]
+    output: list[int]
+    params: SamplingParams
+    max_tokens: int
+
+
+class DraftSource:
+    def prefill(self, tokens: list[int], hidden: Hidden | None) -> None:
+        pass
+
+    def draft(self, pending: int, max_n: int) -> Draft:
+        raise NotImplementedError
+
+    def commit(self, kept: list[int], next_token: int, hidden: Hidden | None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class DraftProvider:
+    name = "none"
+    taps: tuple[int, ...] = ()  # target layers whose hidden states every source needs
+    provides_q = False  # whether drafts come with their distributions
+
+    def new_source(self, context: SourceContext) -> DraftSource:
+        raise NotImplementedError
+
+    def draft_batch(self, requests: list[tuple[DraftSource, int, int]]) -> list[Draft]:
+        """One Draft per (source, pending, max_n)."""
+        return [source.draft(pending, max_n) if max_n > 0 else Draft() for source, pending, max_n in requests]
+
+    def describe(self) -> str:
+        return self.name
+
+    def draft_cost_per_token(self, target_costs) -> float:
+        """What proposing one token costs, in single-token target steps (for the draft
+        length policy); free unless the provider says otherwise."""
+        return 0.0

@@ -1,0 +1,132 @@
+"""Verification: which drafted tokens a row keeps, and the token that follows them.
+
+A row fed `[pending, d_1 .. d_k]` gets k + 1 rows of processed target logits: position j
+is the target's distribution p_j for the token after d_j (after `pending` for j = 0),
+computed by the same processors as plain decoding, with the drafts before it in the
+history. Three rules, each leaving the output distribution exactly the target's:
+
+* greedy: y_j = argmax p_j; keep drafts while d_{j+1} == y_j; the first y_j that differs
+  (or y_k, the bonus) follows. Identical tokens to plain greedy decoding.
+* sampled, no draft distribution (n-gram): draw y_j ~ p_j with the request's generator
+  and keep drafts while they match. Each kept token was drawn from p exactly as plain
+  decoding would have drawn it, with the same random number: the generator is rewound
+  so that a round consumes exactly one number per token it emits, and a seeded request
+  gives the same tokens with or without speculation.
+* sampled, with q (a draft model): standard speculative sampling (Leviathan et al.,
+  Chen et al.): keep d_j with probability min(1, p(d_j) / q(d_j)); at the first rejection
+  draw from normalize(max(0, p - q)) (p itself where that mass vanishes); when all k are
+  kept draw the bonus from p_k. The output has distribution p; the random numbers differ
+  from plain decoding, so seeded outputs are reproducible but not equal to non-speculative
+  ones.
+
+Checked by tests/test_spec.py: greedy outputs identical to plain decoding for every
+source, seeded sampling with n-gram identical too, and a chi-square test of the first
+tokens' joint distribution against the exact one computed from the model, which a rule
+that skips the residual correction fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verispec.engine.sampling import SamplingParams, inverse_cdf_draw, sample, sampling_probs
+
+# q(x) below this is treated as this: a token the draft could (numerically) not have
+# drawn is accepted only with probability p / 1e-10, i.e. always when p is not tiny
+Q_FLOOR = 1e-10
+RESIDUAL_FLOOR = 1e-8
+
+
+@dataclass
+class VerifyRow:
+    params: SamplingParams
+    generator: torch.Generator | None
+    drafts: list[int]
+    q: torch.Tensor | None = None  # [len(drafts), V]
+
+
+def verify(processed: torch.Tensor, rows: list[VerifyRow]) -> list[tuple[int, int]]:
+    """`processed`: the rows' processed logits stacked, len(drafts) + 1 per row, in order.
+    Returns (number of drafts kept, the token that follows them) per row."""
+    spans, at = [], 0
+    for row in rows:
+        spans.append((at, at + len(row.drafts) + 1))
+        at += len(row.drafts) + 1
+    if at != processed.shape[0]:
+        raise ValueError(f"{processed.shape[0]} logits rows for {at} verify positions")
+    results: list[tuple[int, int] | None] = [None] * len(rows)
+
+    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+    if greedy:
+        targets = processed.argmax(dim=-1).tolist()
+        for i in greedy:
+            a, b = spans[i]
+            results[i] = _first_mismatch(rows[i].drafts, targets[a:b])
+
+    matched = [i for i, r in enumerate(rows) if not r.params.is_greedy and r.q is None]
+    if matched:
+        results_m = _verify_by_matching(processed, [rows[i] for i in matched], [spans[i] for i in matched])
+        for i, result in zip(matched, results_m):
+            results[i] = result
+
+    for i, row in enumerate(rows):
+        if results[i] is None:
+            a, b = spans[i]
+            results[i] = speculative_sample(processed[a:b], row)
+    return results  # type: ignore[return-value]
+
+
+def _first_mismatch(drafts: list[int], targets: list[int]) -> tuple[int, int]:
+    for j, d in enumerate(drafts):
+        if targets[j] != d:
+            return j, targets[j]
+    return len(drafts), targets[len(drafts)]
+
+
+def _verify_by_matching(processed, rows: list[VerifyRow], spans) -> list[tuple[int, int]]:
+    index = torch.cat([torch.arange(a, b) for a, b in spans]).to(processed.device)
+    params = [r.params for r, (a, b) in zip(rows, spans) for _ in range(b - a)]
+    generators = [r.generator for r, (a, b) in zip(rows, spans) for _ in range(b - a)]
+    states = [r.generator.get_state() for r in rows]
+    drawn = sample(processed.index_select(0, index), params, generators).tolist()
+    out, at = [], 0
+    for row, (a, b), state in zip(rows, spans, states):
+        n, token = _first_mismatch(row.drafts, drawn[at : at + (b - a)])
+        at += b - a
+        # consume exactly one random number per emitted token, as plain decoding does
+        row.generator.set_state(state)
+        torch.rand((n + 1, 1), generator=row.generator, dtype=torch.float64)
+        out.append((n, token))
+    return out
+
+
+def speculative_sample(processed: torch.Tensor, row: VerifyRow) -> tuple[int, int]:
+    """Standard speculative sampling for one row: processed [k + 1, V], row.q [k, V]."""
+    k = len(row.drafts)
+    p = sampling_probs(processed, [row.params] * (k + 1))
+    if k == 0:
+        return 0, _draw(p[0], row.generator)
+    q = row.q.to(p.device, torch.float32)
+    drafts = torch.tensor(row.drafts, device=p.device)
+    p_d = p[:k].gather(1, drafts[:, None]).squeeze(1)
+    q_d = q.gather(1, drafts[:, None]).squeeze(1).clamp_min(Q_FLOOR)
+    u = torch.rand(k, generator=row.generator, dtype=torch.float64).to(p.device)
+    keep = (u < (p_d / q_d).double()).tolist()
+    n = next((j for j, kept in enumerate(keep) if not kept), k)
+    if n == k:
+        return k, _draw(p[k], row.generator)
+    return n, _draw(residual(p[n], q[n]), row.generator)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalize(max(0, p - q)): what a rejection must be resampled from (p if it vanishes)."""
+    r = (p - q).clamp_min(0)
+    total = r.sum()
+    return r / total if total > RESIDUAL_FLOOR else p
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One exact draw from a probability row (one random number, as `sample` uses)."""
+    return int(inverse_cdf_draw(probs[None], generator)[0])
