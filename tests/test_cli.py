@@ -90,3 +90,18 @@ def test_serve_help_teaches():
 def test_serve_mistakes_are_one_line(flags, words):
     proc = _run("serve", *flags)
     assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.real_model
+def test_generate_with_ngram_speculation_prints_the_same_text(smollm2_folder):
+    argv = ["generate", "-m", str(smollm2_folder), "--dtype", "float32", "-n", "40",
+            "Repeat this sentence twice: the cat sat on the mat."]
+    plain, spec = _run(*argv), _run(*argv, "--speculate", "ngram")
+    assert plain.returncode == spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    assert "drafts accepted" in spec.stderr.splitlines()[-1] and "drafts accepted" not in plain.stderr
+
+
+def test_bad_speculation_flags_are_one_line(capsys):
+    assert main(["generate", "--num-draft-tokens", "99", "hi"]) == 2
+    assert "--num-draft-tokens" in capsys.readouterr().err

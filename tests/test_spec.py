@@ -257,8 +257,9 @@ def test_policy_drafts_what_pays_and_probes_when_idle():
     bad = AcceptanceEstimate(accepted=1, rejected=30)
     assert policy.choose(good, batch_tokens=1, limit=8) >= 4
     assert policy.choose(good, batch_tokens=1, limit=2) <= 2
-    choices = [policy.choose(bad, batch_tokens=1, limit=8) for _ in range(16)]
-    assert choices.count(0) >= 14 and max(choices) == 1, "a hopeless row drafts nothing but probes now and then"
+    choices = [policy.choose(bad, batch_tokens=1, limit=8) for _ in range(8 + 16 + 32)]
+    probes = [i for i, k in enumerate(choices) if k]
+    assert probes == [7, 23, 55] and max(choices) == 1, "a hopeless row probes with one token, ever more rarely"
     assert policy.choose(good, batch_tokens=1, limit=0) == 0
     flat = DraftPolicy(max_draft=8, costs=StepCosts.flat())
     assert flat.choose(AcceptanceEstimate(accepted=5, rejected=5), batch_tokens=1, limit=8) == 8, \

@@ -5,6 +5,7 @@ over HTTP, usage carries the speculation block and outputs equal the plain serve
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 import torch
@@ -97,6 +98,8 @@ def test_served_speculation_reports_usage_and_changes_nothing(smollm2_folder, tm
             streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             assert streamed == whole.choices[0].message.content
             outputs[name] = (whole, chunks[-1].usage)
+            metrics = httpx.get(url + "/metrics").text
+            assert ("verispec_spec_accepted_tokens_total" in metrics) == (name == "ngram")
     plain, spec = outputs["plain"], outputs["ngram"]
     assert spec[0].choices[0].message.content == plain[0].choices[0].message.content
     block = spec[0].usage.model_extra["speculation"]
@@ -104,5 +107,6 @@ def test_served_speculation_reports_usage_and_changes_nothing(smollm2_folder, tm
     # tokens per target forward, bonus included: every decode round emits at least one
     assert 1.0 < block["mean_accepted_length"] <= 9.0
     assert block["rounds"] < spec[0].usage.completion_tokens
-    assert spec[1].model_extra["speculation"] == block, "the streamed usage chunk carries the same block"
+    streamed_block = spec[1].model_extra["speculation"]  # another request: its drafts may differ, its text does not
+    assert set(streamed_block) == set(block) and streamed_block["accepted"] > 0
     assert "speculation" not in (plain[0].usage.model_extra or {})

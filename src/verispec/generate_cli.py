@@ -69,6 +69,7 @@ def run_generate(args) -> int:
     from verispec.spec.factory import build_drafter, engine_options
 
     params = sampling_params_from_args(args)
+    spec_options = engine_options(args)  # flag mistakes before the model loads
     if args.max_tokens <= 0:
         raise UserError(f"--max-tokens must be positive, got {args.max_tokens}")
     if args.threads:
@@ -79,7 +80,7 @@ def run_generate(args) -> int:
 
     # the same engine as the server, driven inline for one request
     drafter = build_drafter(loaded, args.speculate, args.draft_model, loaded.model.dtype)
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, EngineConfig(max_rows=1, **engine_options(args)),
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, EngineConfig(max_rows=1, **spec_options),
                     drafter=drafter)
     tokens: list[TokenInfo] = []
     final: list[RequestOutput] = []

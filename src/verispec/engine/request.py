@@ -82,6 +82,8 @@ class Completion:
     completion_tokens: int
     error: str | None = None
     speculation: dict | None = None
+    time_to_first_token: float | None = None
+    decode_time: float | None = None
 
 
 class Collector:
@@ -102,5 +104,5 @@ class Collector:
             if out.finished:
                 return Completion(
                     "".join(text), [t.token for t in tokens], tokens, out.finish_reason, out.prompt_tokens,
-                    out.completion_tokens, out.error, out.speculation,
+                    out.completion_tokens, out.error, out.speculation, out.time_to_first_token, out.decode_time,
                 )

@@ -10,10 +10,12 @@ slows down every row of the batch. The policy picks the k that maximizes the ste
 throughput, (n - 1 + E(k)) / n / slowdown(k), and drafts nothing when no k beats plain
 decoding, which is what keeps speculation from slowing down text it cannot predict.
 
-`a` is estimated per row from its own history (accepted / (accepted + rejected), starting
-from a prior worth a few rounds). A row that stopped drafting probes with one token every
-`PROBE_EVERY` steps, so it notices when its text turns predictable (a quote, code being
-repeated); a probe costs ~15% of one step in `PROBE_EVERY`.
+`a` is estimated per row from its own history (accepted / (accepted + rejected)), starting
+from what the drafter has recently achieved on all rows (worth a few rounds), so a drafter
+that is useless on this traffic does not cost every new request a few failed rounds. A row that stopped drafting probes with one token now and
+then, so it notices when its text turns predictable (a quote, code being repeated): first
+after `PROBE_EVERY` steps, and after each probe that changes nothing twice as long, up to
+`MAX_PROBE_EVERY` (a hopeless draft model then costs almost nothing: bench/spec.py).
 """
 
 from __future__ import annotations
@@ -26,24 +28,36 @@ import torch
 PRIOR_ACCEPT = 0.5  # the estimate a row starts from ...
 PRIOR_WEIGHT = 4.0  # ... worth this many drafted tokens of evidence
 PROBE_EVERY = 8
+MAX_PROBE_EVERY = 256
 
 
 @dataclass
 class AcceptanceEstimate:
     accepted: float = PRIOR_ACCEPT * PRIOR_WEIGHT
     rejected: float = (1 - PRIOR_ACCEPT) * PRIOR_WEIGHT
-    idle_steps: int = 0
+    idle_steps: int = 0  # steps without drafting since the last draft or probe
+    probe_every: int = PROBE_EVERY
 
     @property
     def rate(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
-    def update(self, drafted: int, kept: int) -> None:
-        """A round with `drafted` proposals of which the first `kept` were accepted."""
+    def update(self, drafted: int, kept: int, memory: float | None = None) -> None:
+        """A round with `drafted` proposals of which the first `kept` were accepted. With
+        `memory`, older evidence is discounted so the estimate follows recent rounds."""
         if drafted == 0:
             return
         self.accepted += kept
         self.rejected += 1 if kept < drafted else 0
+        if memory is not None and self.accepted + self.rejected > memory:
+            scale = memory / (self.accepted + self.rejected)
+            self.accepted *= scale
+            self.rejected *= scale
+
+    def prior(self) -> "AcceptanceEstimate":
+        """A fresh estimate that starts from this one's rate, worth PRIOR_WEIGHT tokens."""
+        rate = self.rate
+        return AcceptanceEstimate(accepted=rate * PRIOR_WEIGHT, rejected=(1 - rate) * PRIOR_WEIGHT)
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -99,11 +113,13 @@ class DraftPolicy:
                 best_k, best = k, value
         if best_k == 0:
             estimate.idle_steps += 1
-            if estimate.idle_steps >= PROBE_EVERY:
+            if estimate.idle_steps >= estimate.probe_every:
                 estimate.idle_steps = 0
+                estimate.probe_every = min(2 * estimate.probe_every, MAX_PROBE_EVERY)
                 return 1
             return 0
         estimate.idle_steps = 0
+        estimate.probe_every = PROBE_EVERY
         return best_k
 
 

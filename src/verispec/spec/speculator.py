@@ -21,6 +21,8 @@ from verispec.spec.source import Draft, DraftProvider, Hidden, SourceContext
 
 log = logging.getLogger("verispec.spec")
 
+POOL_MEMORY = 256  # drafted-token evidence the pooled acceptance estimate keeps
+
 
 def speculation_enabled() -> bool:
     return os.environ.get("VERISPEC_SPEC", "1").strip().lower() not in ("0", "false", "off", "no")
@@ -57,6 +59,7 @@ class Speculator:
         self.reached_at = [0] * max_draft
         self.accepted_at = [0] * max_draft
         self.totals = RowSpecStats()  # over all rows (Prometheus counters, /stats)
+        self.pool = AcceptanceEstimate()  # recent acceptance over all rows: new rows start from it
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -71,7 +74,7 @@ class Speculator:
         except Exception as e:  # noqa: BLE001 - the row decodes without speculation
             log.warning("draft source for %s failed to start (%s); decoding without speculation", row.id, e)
             row.source = None
-        row.spec = RowSpecStats()
+        row.spec = RowSpecStats(estimate=self.pool.prior())
 
     def propose(self, rows, batch_tokens: int) -> list[Draft]:
         """Drafts for the step's decoding rows (an empty Draft where a row drafts nothing)."""
@@ -128,6 +131,7 @@ class Speculator:
             s.accepted += kept
         if draft.tokens:
             stats.estimate.update(len(draft), kept)
+            self.pool.update(len(draft), kept, memory=POOL_MEMORY)
             for j in range(len(draft)):
                 self.drafted_at[j] += 1
                 self.reached_at[j] += j <= kept
