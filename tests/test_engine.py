@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny_models import build_reference, family_configs, reference_greedy
+from tests.tiny_models import CharTokenizer, build_reference, family_configs, reference_greedy
 from verispec.engine.engine import Engine, EngineConfig
 from verispec.engine.request import Collector, GenerationRequest, RequestRejected
 from verispec.engine.sampling import SamplingParams
@@ -26,12 +26,6 @@ from verispec.models.loader import load_folder
 
 FAMILIES = ["llama", "qwen3", "gemma3"]
 
-
-class CharTokenizer:
-    """Tiny models have no tokenizer: one character per id is all the engine's text path needs."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(0x4E00 + i) for i in ids)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

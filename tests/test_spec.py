@@ -21,7 +21,7 @@ import torch
 from scipy import stats
 from transformers import LlamaConfig
 
-from tests.tiny_models import build_reference, family_configs, reference_greedy
+from tests.tiny_models import CharTokenizer, build_reference, family_configs, reference_greedy
 from verispec.engine.engine import Engine, EngineConfig
 from verispec.engine.request import Collector, GenerationRequest
 from verispec.engine.sampling import SamplingParams, make_generator, process_logits, sampling_probs
@@ -34,10 +34,6 @@ from verispec.spec.verify import VerifyRow, verify
 
 FAMILIES = ["llama", "qwen3", "gemma3"]
 
-
-class CharTokenizer:
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(0x4E00 + i) for i in ids)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -23,6 +23,14 @@ COMMON = dict(
 )
 
 
+class CharTokenizer:
+    """Tiny models have no tokenizer: one character per id is all the engine's text path
+    (detokenizer, stop strings) needs."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(0x4E00 + i) for i in ids)
+
+
 def family_configs() -> dict:
     gemma_layers = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
     return {

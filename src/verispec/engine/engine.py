@@ -1,23 +1,27 @@
 """The engine: one loop, continuous batching, every running row in one forward per step.
 
-    step():  plan = scheduler.plan()          admit by KV budget, decode rows + prefill chunks
-             logits = forward(plan)           one packed forward over all rows (models/decoder.py)
-             tokens = sample(logits)          per-row params in one batched call (sampling.py)
-             accept(row, token) for each      detokenize, stop strings, finish, emit deltas
+    step():  plan = scheduler.plan()            admit by KV budget, decode rows + prefill chunks
+             drafts = speculator.propose(...)   per decoding row, 0..k tokens (spec/, optional)
+             runner.forward(work)               one packed forward: [pending, drafts...] per
+                                                decoding row, the next chunk per prompt
+             runner.decide(work)                per-row params in one batched call; verify
+                                                keeps each row's accepted drafts + 1 token
+             accept(row, token) for each        detokenize, stop strings, finish, emit deltas
 
 Rows join and leave between steps. Each row owns its KV (kv_cache.py), so joining or
-leaving never touches another row's cache. Callers talk to the engine from any thread
-through `submit` / `cancel` (a thread-safe inbox, applied at the start of the next step);
-the engine answers through each request's sink. `start()` runs the loop in a background
-thread (the server); without it, `step()` / `run_until_idle()` drive it inline (CLI, tests).
+leaving, or rolling back rejected drafts, never touches another row's cache. Callers talk
+to the engine from any thread through `submit` / `cancel` (a thread-safe inbox, applied at
+the start of the next step); the engine answers through each request's sink.
+`run_forever()` runs the loop on the calling thread (the server's main thread), `start()`
+in a background thread; `step()` / `run_until_idle()` drive it inline (CLI, tests).
 
 Failure stays local: a row whose forward or sampling raises is retried alone, and only
 the rows that still fail finish with an error; the others carry on.
 
-Checked by tests/test_engine.py: rows joining and leaving mid-decode produce, in float32,
-the same greedy tokens as each request run alone (and as transformers); the KV budget
-queues requests instead of over-committing, nobody is starved, a cancelled row frees
-its memory at once, a failing row fails alone.
+Checked by tests/test_engine.py (rows joining and leaving mid-decode produce, in float32,
+the same greedy tokens as transformers on each request alone; the KV budget queues
+requests instead of over-committing, nobody is starved, a cancelled row frees its memory
+at once, a failing row fails alone) and tests/test_spec.py (the same with speculation).
 """
 
 from __future__ import annotations
