@@ -58,7 +58,11 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculate", choices=["ngram", "none"], default=None,
                    help="ngram: draft by prompt lookup (no weights; pays on edits, summaries, code); none: off")
     g.add_argument("--draft-model", default=None, metavar="MODEL",
-                   help="a smaller model with the same tokenizer drafts (name, folder, .gguf or hub id)")
+                   help="a DSpark drafter (DeepSpec-format folder or hub id, detected from its files), or a smaller "
+                        "model with the same tokenizer (name, folder, .gguf or hub id)")
+    g.add_argument("--confidence-threshold", type=float, default=None, metavar="T",
+                   help="DSpark: end each proposal before the first position whose confidence is below T "
+                        "(default: the checkpoint's, else 0 = keep all)")
     g.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
                    help="most draft tokens a request verifies per step (default 8); fewer are drafted when they do not pay")
     g.add_argument("--fixed-draft", action="store_true",

@@ -142,19 +142,24 @@ class Engine:
             return None
         adaptive = self.config.adaptive_draft
         costs = measure_step_costs(self.model) if adaptive else StepCosts.flat()
-        draft_cost = drafter.draft_cost_per_token(costs) if adaptive else 0.0
-        return Speculator(drafter, self.config.num_draft_tokens, costs, adaptive, draft_cost)
+        draft_costs = drafter.draft_costs(costs) if adaptive else (0.0, 0.0)
+        return Speculator(drafter, self.config.num_draft_tokens, costs, adaptive, draft_costs)
 
     # -- API (any thread) -----------------------------------------------------------
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """The most tokens a request with this prompt may ask for: what is left of the
         context window, and what the KV budget can hold for one row."""
-        per_token = self.cache.bytes_for(1)
+        per_token = self._row_bytes(1)
         by_budget = self.kv_budget // per_token - prompt_len
-        while by_budget > 0 and self.cache.bytes_for(prompt_len + by_budget) > self.kv_budget:
+        while by_budget > 0 and self._row_bytes(prompt_len + by_budget) > self.kv_budget:
             by_budget -= 1  # sliding-window rings make bytes_for sublinear: walk down to the exact fit
         return max(0, min(self.max_model_len - prompt_len, by_budget))
+
+    def _row_bytes(self, capacity: int) -> int:
+        """KV a row of `capacity` tokens reserves: the target's, and its draft source's."""
+        extra = self.speculator.provider.kv_bytes(capacity) if self.speculator is not None else 0
+        return self.cache.bytes_for(capacity) + extra
 
     def check(self, request: GenerationRequest) -> int:
         """Refuse what can never run (RequestRejected, naming the field); return the bytes
@@ -183,7 +188,7 @@ class Engine:
                 f"({n_prompt} in the prompt, {request.max_tokens} for the completion); shorten the prompt or lower max_tokens",
                 "max_tokens",
             )
-        need = self.cache.bytes_for(total)
+        need = self._row_bytes(total)
         if need > self.kv_budget:
             raise RequestRejected(
                 f"the request needs {need / 2**20:.1f} MiB of KV cache for {total} tokens, more than the server's whole "

@@ -8,12 +8,13 @@ from verispec.spec.source import DraftProvider
 SPECULATE_CHOICES = ("ngram", "none")
 
 
-def build_drafter(target, speculate: str | None, draft_model: str | None, dtype) -> DraftProvider | None:
+def build_drafter(target, speculate: str | None, draft_model: str | None, dtype,
+                  confidence_threshold: float | None = None) -> DraftProvider | None:
     """`target` is the LoadedModel being served. None: no speculation."""
     if draft_model and speculate not in (None, "none"):
         raise UserError("choose one of --speculate and --draft-model")
     if draft_model:
-        return load_draft_model(target, draft_model, dtype)
+        return load_drafter(target, draft_model, dtype, confidence_threshold)
     if speculate in (None, "none"):
         return None
     if speculate == "ngram":
@@ -23,7 +24,30 @@ def build_drafter(target, speculate: str | None, draft_model: str | None, dtype)
     raise UserError(f"unknown --speculate {speculate!r}; choose one of {', '.join(SPECULATE_CHOICES)}")
 
 
-def load_draft_model(target, spec: str, dtype) -> DraftProvider:
+def load_drafter(target, spec: str, dtype, confidence_threshold: float | None = None) -> DraftProvider:
+    """What `--draft-model` names, by what its files are: a DSpark drafter (DeepSpec format)
+    or a smaller model with the target's tokenizer; anything else is refused with a reason."""
+    from verispec.models.registry import resolve_model
+    from verispec.spec.dspark.checkpoint import draft_kind
+    from verispec.spec.dspark.config import DraftCheckpointError
+
+    folder = resolve_model(spec)
+    try:
+        kind = draft_kind(folder)
+        if kind == "dspark":
+            from verispec.spec.dspark.checkpoint import load_dspark
+            from verispec.spec.dspark.source import DSparkProvider
+
+            drafter = load_dspark(folder, target=target, dtype=dtype, device=target.model.device)
+            return DSparkProvider(drafter, f"DSpark {spec}", confidence_threshold)
+    except DraftCheckpointError as e:
+        raise UserError(f"--draft-model {spec}: {e}") from None
+    if confidence_threshold is not None:
+        raise UserError("--confidence-threshold applies to DSpark drafters only")
+    return load_draft_model(target, str(folder), dtype, label=spec)
+
+
+def load_draft_model(target, spec: str, dtype, label: str | None = None) -> DraftProvider:
     from verispec.models.loader import load_model
     from verispec.spec.two_model import TwoModelProvider, check_same_tokenizer
 
@@ -32,12 +56,15 @@ def load_draft_model(target, spec: str, dtype) -> DraftProvider:
         check_same_tokenizer(target.tokenizer, draft.tokenizer, target.model.args.vocab_size, draft.model.args.vocab_size)
     except ValueError as e:
         raise UserError(f"--draft-model {spec}: {e}") from None
-    return TwoModelProvider(draft.model, max_draft=63, label=f"draft model {spec}")
+    return TwoModelProvider(draft.model, max_draft=63, label=f"draft model {label or spec}")
 
 
 def engine_options(args) -> dict:
     """EngineConfig fields from the speculation flags."""
     options = {"adaptive_draft": not args.fixed_draft}
+    threshold = getattr(args, "confidence_threshold", None)
+    if threshold is not None and not 0 <= threshold < 1:
+        raise UserError(f"--confidence-threshold must be in [0, 1), got {threshold}")
     if args.num_draft_tokens is not None:
         if not 1 <= args.num_draft_tokens <= 63:
             raise UserError(f"--num-draft-tokens must be in 1..63, got {args.num_draft_tokens}")

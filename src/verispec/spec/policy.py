@@ -5,8 +5,9 @@ emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per step with k drafts. The step cos
 the target forward grows from the batch's `n` decode tokens to n + k (measured once per
 engine by `measure_step_costs`: on a 2-core CPU one extra token costs ~15% of a step and
 each further one ~3%; on a GPU nearly nothing), plus whatever producing the drafts costs
-(`draft_cost_per_token`, in single-token target steps; 0 for n-gram lookup), and that
-slows down every row of the batch. The policy picks the k that maximizes the step's
+(`draft_cost_fixed` per drafting round, as a DSpark backbone pass, and
+`draft_cost_per_token`, as a draft model's forwards; in single-token target steps; 0 for
+n-gram lookup), and that slows down every row of the batch. The policy picks the k that maximizes the step's
 throughput, (n - 1 + E(k)) / n / slowdown(k), and drafts nothing when no k beats plain
 decoding, which is what keeps speculation from slowing down text it cannot predict.
 
@@ -91,10 +92,11 @@ class StepCosts:
 
 
 class DraftPolicy:
-    def __init__(self, max_draft: int, costs: StepCosts, draft_cost_per_token: float = 0.0):
+    def __init__(self, max_draft: int, costs: StepCosts, draft_cost_fixed: float = 0.0, draft_cost_per_token: float = 0.0):
         self.max_draft = max_draft
         self.costs = costs
-        self.draft_cost = draft_cost_per_token
+        self.draft_fixed = draft_cost_fixed  # a round that drafts at all (a DSpark backbone pass)
+        self.draft_per_token = draft_cost_per_token  # each drafted token (a draft model's forward)
 
     def choose(self, estimate: AcceptanceEstimate, batch_tokens: int, limit: int) -> int:
         """Drafts for one row, given the step's other decode tokens (`batch_tokens`,
@@ -107,7 +109,7 @@ class DraftPolicy:
         best_k, best = 0, 1.0
         for k in range(1, limit + 1):
             # the whole step's throughput: this row's extra tokens slow every row down
-            slowdown = (self.costs(batch_tokens + k) + self.draft_cost * k) / base
+            slowdown = (self.costs(batch_tokens + k) + self.draft_fixed + self.draft_per_token * k) / base
             value = (batch_tokens - 1 + expected_tokens(a, k)) / batch_tokens / slowdown
             if value > best:
                 best_k, best = k, value

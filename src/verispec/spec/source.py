@@ -92,7 +92,12 @@ class DraftProvider:
     def describe(self) -> str:
         return self.name
 
-    def draft_cost_per_token(self, target_costs) -> float:
-        """What proposing one token costs, in single-token target steps (for the draft
-        length policy); free unless the provider says otherwise."""
-        return 0.0
+    def draft_costs(self, target_costs) -> tuple[float, float]:
+        """What drafting costs, in single-token target steps: (per round that drafts at all,
+        per drafted token), for the draft length policy; free unless the provider says so."""
+        return 0.0, 0.0
+
+    def kv_bytes(self, capacity: int) -> int:
+        """Bytes one request's source reserves for a target row of `capacity` tokens
+        (counted against the engine's KV budget)."""
+        return 0

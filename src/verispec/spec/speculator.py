@@ -48,11 +48,11 @@ class RowSpecStats:
 
 class Speculator:
     def __init__(self, provider: DraftProvider, max_draft: int, costs: StepCosts, adaptive: bool = True,
-                 draft_cost_per_token: float = 0.0):
+                 draft_costs: tuple[float, float] = (0.0, 0.0)):
         self.provider = provider
         self.max_draft = max_draft
         self.adaptive = adaptive
-        self.policy = DraftPolicy(max_draft, costs, draft_cost_per_token)
+        self.policy = DraftPolicy(max_draft, costs, *draft_costs)
         # per draft position j, over all rows: rounds that proposed a token there, that
         # tested it (every draft before it was kept), and that kept it
         self.drafted_at = [0] * max_draft

@@ -102,10 +102,13 @@ class TwoModelProvider(DraftProvider):
     def new_source(self, context: SourceContext) -> TwoModelSource:
         return TwoModelSource(self, context)
 
-    def draft_cost_per_token(self, target_costs) -> float:
+    def draft_costs(self, target_costs) -> tuple[float, float]:
         from verispec.spec.policy import measure_step_costs
 
-        return measure_step_costs(self.model, sizes=(1, 2)).base_seconds / target_costs.base_seconds
+        return 0.0, measure_step_costs(self.model, sizes=(1, 2)).base_seconds / target_costs.base_seconds
+
+    def kv_bytes(self, capacity: int) -> int:
+        return self.cache.bytes_for(capacity + self.max_draft + 1)
 
     def describe(self) -> str:
         return f"{self.label} ({self.model.args.num_layers} layers, hidden {self.model.args.hidden_size})"

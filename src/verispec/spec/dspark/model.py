@@ -1,0 +1,400 @@
+"""The DSpark drafter: a DFlash parallel block backbone with multi-layer KV injection,
+a light sequential head and a confidence head (paper §2.2, §3; spec §2-4).
+
+Backbone (Eq 2-3). The target's hidden states from `target_layer_ids` are concatenated
+per position, projected by `fc` and normalized once (`hidden_norm`): that context H_ctx
+is shared by every draft layer, which projects it with its own k_proj / v_proj (then
+k-norm and RoPE at the context's absolute positions; no input norm on the context) and
+puts it in front of the block's own K/V. The block is [anchor, MASK x (gamma - 1)] at
+positions anchor .. anchor + gamma - 1; its queries attend bidirectionally to the whole
+block and to context strictly before the anchor. Slot j predicts the token at position
+anchor + j + 1; in training its target distribution is the target's next-token
+distribution at position anchor + j.
+
+Draft layers follow the target family's flavour (models/config.py ModelArgs of the
+drafter config, which is the target's config with DSpark fields): q/k norms (qwen3,
+gemma3), q/k/v bias (qwen2), (1 + w) norms, sandwich norms, sqrt(H) embedding scale,
+query_pre_attn_scalar, gelu-tanh and final-logit soft-cap (gemma3, soft-cap applied to
+the base logits before the Markov bias, as DeepSpec does for Gemma).
+
+Two ways through the backbone, one set of layer math:
+* `forward_train`: sequences with sampled anchor blocks, a dense boolean mask (the
+  training-time view; dropped blocks attend to nothing and get zero attention output, as
+  DeepSpec's flex and dense paths both do);
+* `draft`: decoding, per row an incremental `ContextCache` of the projected context K/V
+  (only the context is cached; the block's K/V are recomputed every round, which is
+  DeepSpec's "crop to start"), rows packed for projections and MLPs, attention per row.
+
+Parameter names are DeepSpec's, so its checkpoints load with a plain state dict.
+Checked by tests/test_dspark.py against ../shared/oracles/deepspec-tiny (module outputs,
+loss terms, greedy traces round by round).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verispec.models.config import ModelArgs
+from verispec.models.decoder import RotaryTable, apply_rope
+from verispec.spec.dspark.config import DSparkConfig
+from verispec.spec.dspark.heads import HEADS, ConfidenceHead
+
+
+class RMSNorm(nn.Module):
+    """transformers' RMSNorm conventions: llama/qwen `w * norm(x)` (normalized in float32,
+    cast back, then scaled); gemma `norm(x) * (1 + w)` in float32, cast once."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        super().__init__()
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), x.shape[-1:], None, self.eps)
+        if self.offset:
+            return (normed * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        H, D = args.hidden_size, args.head_dim
+        self.heads, self.kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, D
+        self.q_proj = nn.Linear(H, self.heads * D, bias=args.attention_bias)
+        self.k_proj = nn.Linear(H, self.kv_heads * D, bias=args.attention_bias)
+        self.v_proj = nn.Linear(H, self.kv_heads * D, bias=args.attention_bias)
+        self.o_proj = nn.Linear(self.heads * D, H, bias=args.o_proj_bias)
+        self.qk_norm = args.qk_norm
+        if args.qk_norm:
+            self.q_norm = RMSNorm(D, args.rms_norm_eps, args.norm_offset)
+            self.k_norm = RMSNorm(D, args.rms_norm_eps, args.norm_offset)
+        self.scale = args.attn_scale if args.attn_scale is not None else D**-0.5
+
+    def keys_values(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """[..., N, H] -> K (normed, rotated), V: [..., N, kv_heads, D]."""
+        k = self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+        if self.qk_norm:
+            k = self.k_norm(k)
+        return apply_rope(k, *rope), self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+
+    def queries(self, u: torch.Tensor, rope) -> torch.Tensor:
+        q = self.q_proj(u).unflatten(-1, (self.heads, self.head_dim))
+        if self.qk_norm:
+            q = self.q_norm(q)
+        return apply_rope(q, *rope)
+
+    def attend(self, q, k, v, mask=None) -> torch.Tensor:
+        """q [..., Q, heads, D], k/v [..., K, kv_heads, D] -> [..., Q, heads * D]."""
+        out = F.scaled_dot_product_attention(
+            q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2),
+            attn_mask=mask, scale=self.scale, enable_gqa=True, is_causal=False,
+        )
+        return out.transpose(-3, -2).flatten(-2)
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        H, I = args.hidden_size, args.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(H, I, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(I, H, bias=args.mlp_bias)
+        self.act = F.silu if args.activation == "silu" else (lambda x: F.gelu(x, approximate="tanh"))
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        eps, off = args.rms_norm_eps, args.norm_offset
+        self.self_attn = DraftAttention(args)
+        self.mlp = DraftMLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, eps, off)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps, off)
+        self.sandwich = args.sandwich_norms
+        if self.sandwich:  # gemma: post_attention_layernorm normalizes the attention output
+            self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, eps, off)
+            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps, off)
+
+    def finish(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual around attention, then the MLP block."""
+        out = self.self_attn.o_proj(attn_out)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(out)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + out
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class TrainOutput:
+    draft_logits: torch.Tensor  # [B, A, gamma, V_draft] Markov-corrected, teacher forced
+    target_ids: torch.Tensor  # [B, A, gamma]
+    eval_mask: torch.Tensor  # [B, A, gamma] bool: the supervised prefix of each block
+    block_keep_mask: torch.Tensor  # [B, A]
+    confidence_logits: torch.Tensor | None  # [B, A, gamma]
+    aligned_target_logits: torch.Tensor | None  # [B, A, gamma, V] target at anchor + j
+
+
+class ContextCache:
+    """One row's projected context K/V for every draft layer (positions 0 .. length-1)."""
+
+    def __init__(self, drafter: "DSparkDrafter", capacity: int):
+        a = drafter.config.args
+        shape = (capacity, a.num_kv_heads, a.head_dim)
+        dtype, device = drafter.kv_dtype(), drafter.device
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in drafter.layers]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in drafter.layers]
+        self.capacity = capacity
+        self.length = 0
+        self.nbytes = sum(t.nelement() * t.element_size() for t in self.keys + self.values)
+
+
+class DSparkDrafter(nn.Module):
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        self.config = config
+        a = config.args
+        H, V = a.hidden_size, a.vocab_size
+        self.block_size = config.block_size
+        self.embed_tokens = nn.Embedding(V, H)
+        self.layers = nn.ModuleList(DraftLayer(a) for _ in range(a.num_layers))
+        self.norm = RMSNorm(H, a.rms_norm_eps, a.norm_offset)
+        self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, a.rms_norm_eps, a.norm_offset)
+        out = config.draft_vocab_size or V
+        self.lm_head = nn.Linear(H, out, bias=False)
+        if config.draft_vocab_size:
+            # draft head row i is target token draft_vocab_ids[i]
+            self.register_buffer("draft_vocab_ids", torch.arange(out, dtype=torch.long))
+        else:
+            self.draft_vocab_ids = None
+        self.markov_head = HEADS[config.markov_head_type](V, config.markov_rank, out, H) if config.has_markov else None
+        self.confidence_head = None
+        if config.enable_confidence_head:
+            self.confidence_head = ConfidenceHead(H + (config.markov_rank if config.confidence_head_with_markov else 0))
+        self._ropes: dict = {}
+
+    # -- small pieces ------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def kv_dtype(self) -> torch.dtype:
+        return torch.float32 if self.device.type == "cpu" else self.dtype  # as the target's cache (decoder.py)
+
+    def rope(self, positions: torch.Tensor):
+        key = (self.dtype, self.device)
+        table = self._ropes.get(key)
+        if table is None:
+            table = self._ropes[key] = RotaryTable(self.config.args.rope_global, self.config.args.head_dim, *key)
+        return table.lookup(positions)
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """Concatenated target features [..., m * H] -> the injected context [..., H] (Eq 2)."""
+        return self.hidden_norm(self.fc(features))
+
+    def embed_block(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        scale = self.config.args.embed_scale
+        return x * torch.tensor(scale, dtype=x.dtype) if scale != 1.0 else x
+
+    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(h)
+        cap = self.config.args.final_logit_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.draft_vocab_ids is None else self.draft_vocab_ids[draft_ids]
+
+    def confidence(self, h: torch.Tensor, prev_emb: torch.Tensor | None) -> torch.Tensor | None:
+        if self.confidence_head is None:
+            return None
+        if self.config.confidence_head_with_markov:
+            return self.confidence_head(torch.cat([h, prev_emb.to(h.dtype)], dim=-1))
+        return self.confidence_head(h)
+
+    # -- training ------------------------------------------------------------------------
+
+    def forward_train(
+        self,
+        input_ids: torch.Tensor,
+        target_hidden: torch.Tensor,
+        loss_mask: torch.Tensor,
+        anchors: torch.Tensor,
+        block_keep_mask: torch.Tensor,
+        target_last_hidden: torch.Tensor | None = None,
+        target_head: nn.Module | None = None,
+    ) -> TrainOutput:
+        """All anchor blocks of a batch in one pass. `target_head` turns the target's
+        final hidden states into logits (default: this drafter's lm_head, which for a
+        full-vocabulary drafter is the target's own frozen copy)."""
+        B, S = input_ids.shape
+        A, g = anchors.shape[1], self.block_size
+        device = input_ids.device
+        keep = block_keep_mask.bool()
+        anchor_tokens = input_ids.gather(1, anchors)
+        noise = torch.full((B, A, g), self.config.mask_token_id, dtype=torch.long, device=device)
+        noise[:, :, 0] = torch.where(keep, anchor_tokens, torch.full_like(anchor_tokens, self.config.mask_token_id))
+        x = self.embed_block(noise.view(B, A * g))
+        ctx = self.context(target_hidden.to(x.dtype))
+        ctx_rope = self.rope(torch.arange(S, device=device))
+        blk_pos = (anchors[:, :, None] + torch.arange(g, device=device)).view(B, A * g)
+        blk_rope = tuple(t.view(B, A * g, 1, -1) for t in self.rope(blk_pos.reshape(-1)))
+        mask, visible = self._train_mask(anchors, keep, S)
+        for layer in self.layers:
+            u = layer.input_layernorm(x)
+            attn = layer.self_attn
+            k_ctx, v_ctx = attn.keys_values(ctx, ctx_rope)
+            k_blk, v_blk = attn.keys_values(u, blk_rope)
+            out = attn.attend(attn.queries(u, blk_rope), torch.cat([k_ctx, k_blk], 1), torch.cat([v_ctx, v_blk], 1), mask)
+            x = layer.finish(x, out * visible)
+        h = self.norm(x).view(B, A, g, -1)
+
+        labels = anchors[:, :, None] + torch.arange(1, g + 1, device=device)
+        safe = torch.where(keep[:, :, None], labels.clamp(max=S - 1), torch.zeros_like(labels))
+        target_ids = input_ids.gather(1, safe.view(B, -1)).view(B, A, g)
+        eval_mask = (labels < S) & (loss_mask.gather(1, safe.view(B, -1)).view(B, A, g) > 0.5) & keep[:, :, None]
+        eval_mask = eval_mask.int().cumprod(dim=-1).bool()
+        prev_ids = torch.cat([anchor_tokens[:, :, None], target_ids[:, :, :-1]], dim=-1)
+
+        logits = self.base_logits(h)
+        confidence = None
+        if self.markov_head is not None:
+            prev_emb = self.markov_head.prev_embedding(prev_ids)
+            state = self.markov_head.initial_state((B, A), h)
+            steps = []
+            for j in range(g):
+                bias, state = self.markov_head.step(prev_emb[:, :, j], h[:, :, j], state)
+                steps.append(logits[:, :, j] + bias)
+            logits = torch.stack(steps, dim=2)
+            confidence = self.confidence(h, prev_emb)
+        else:
+            confidence = self.confidence(h, None)
+
+        aligned = None
+        if target_last_hidden is not None:
+            idx = (safe - 1).clamp(min=0).view(B, -1, 1).expand(-1, -1, target_last_hidden.shape[-1])
+            aligned_hidden = target_last_hidden.gather(1, idx).view(B, A, g, -1).to(h.dtype)
+            head = target_head if target_head is not None else self.lm_head
+            aligned = head(aligned_hidden)
+            cap = self.config.args.final_logit_softcap
+            if cap:
+                aligned = torch.tanh(aligned / cap) * cap
+        return TrainOutput(logits, target_ids, eval_mask, keep, confidence, aligned)
+
+    def _train_mask(self, anchors: torch.Tensor, keep: torch.Tensor, S: int):
+        """[B, 1, A*g, S + A*g] bool: context strictly before the anchor, the own block.
+        Dropped blocks see their own block (to keep the softmax finite) and their output
+        is zeroed by `visible` ([B, A*g, 1]), which is what an all-masked row gives."""
+        B, A = anchors.shape
+        g, device = self.block_size, anchors.device
+        block_of_query = torch.arange(A * g, device=device) // g
+        ctx_ok = torch.arange(S, device=device)[None, None, :] < anchors.repeat_interleave(g, dim=1)[:, :, None]
+        ctx_ok = ctx_ok & keep.repeat_interleave(g, dim=1)[:, :, None]
+        same_block = block_of_query[:, None] == block_of_query[None, :]
+        mask = torch.cat([ctx_ok, same_block.expand(B, -1, -1)], dim=-1)[:, None]
+        visible = keep.repeat_interleave(g, dim=1)[:, :, None].to(self.dtype)
+        return mask, visible
+
+    # -- decoding ---------------------------------------------------------------------
+
+    def new_cache(self, capacity: int) -> ContextCache:
+        return ContextCache(self, capacity)
+
+    @torch.inference_mode()
+    def draft_hidden(self, caches: list[ContextCache], new_features: list[torch.Tensor | None],
+                     anchors: list[int]) -> torch.Tensor:
+        """One backbone pass per row: each row's new context rows (features [n_i, m*H] at
+        positions cache.length ..), then its block [anchor, MASK...] at the positions
+        right after them. The new context K/V stay in the row's cache; the block's do not.
+        Returns the block hidden states [R, gamma, H]."""
+        g, device = self.block_size, self.device
+        R = len(caches)
+        n_new = [0 if f is None else f.shape[0] for f in new_features]
+        feats = [f for f in new_features if f is not None and f.shape[0]]
+        ctx = self.context(torch.cat(feats).to(self.dtype)) if feats else None
+        ctx_pos = torch.cat([torch.arange(c.length, c.length + n, device=device) for c, n in zip(caches, n_new)])
+        starts = [c.length + n for c, n in zip(caches, n_new)]
+        blk_pos = torch.cat([torch.arange(s, s + g, device=device) for s in starts])
+        ids = torch.full((R, g), self.config.mask_token_id, dtype=torch.long, device=device)
+        ids[:, 0] = torch.tensor(anchors, dtype=torch.long, device=device)
+        x = self.embed_block(ids.view(-1))  # [R*g, H]
+        ctx_rope = self.rope(ctx_pos) if ctx is not None else None
+        blk_rope = self.rope(blk_pos)
+        kv_dtype = self.kv_dtype()
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            u = layer.input_layernorm(x)
+            if ctx is not None:
+                k_ctx, v_ctx = attn.keys_values(ctx, ctx_rope)
+                at = 0
+                for cache, n in zip(caches, n_new):
+                    if n:
+                        cache.keys[i][cache.length : cache.length + n] = k_ctx[at : at + n]
+                        cache.values[i][cache.length : cache.length + n] = v_ctx[at : at + n]
+                        at += n
+            q = attn.queries(u, blk_rope)
+            k_blk, v_blk = attn.keys_values(u, blk_rope)
+            outs = []
+            for r, (cache, n) in enumerate(zip(caches, n_new)):
+                end = cache.length + n
+                rows = slice(r * g, (r + 1) * g)
+                keys = torch.cat([cache.keys[i][:end], k_blk[rows].to(kv_dtype)])
+                values = torch.cat([cache.values[i][:end], v_blk[rows].to(kv_dtype)])
+                outs.append(attn.attend(q[rows].to(kv_dtype), keys, values).to(x.dtype))
+            x = layer.finish(x, torch.cat(outs) if R > 1 else outs[0])
+        for cache, n in zip(caches, n_new):
+            cache.length += n
+        return self.norm(x).view(R, g, -1)
+
+    @torch.inference_mode()
+    def propose(self, h: torch.Tensor, anchors: list[int], choose) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sequential stage over a block's hidden states h [R, gamma, H]: slot by slot,
+        the Markov/RNN bias from the previous token (the anchor, then the token chosen for
+        the slot before), `choose(slot, logits [R, V_draft]) -> draft-vocab ids [R]`, and
+        the slot's confidence logit. Returns (target-vocab tokens [R, gamma], confidence
+        logits [R, gamma] or None)."""
+        R, g = h.shape[:2]
+        base = self.base_logits(h)
+        prev = torch.tensor(anchors, dtype=torch.long, device=h.device)
+        state = self.markov_head.initial_state((R,), h) if self.markov_head is not None else None
+        tokens, confidences = [], []
+        for j in range(g):
+            logits = base[:, j]
+            prev_emb = None
+            if self.markov_head is not None:
+                prev_emb = self.markov_head.prev_embedding(prev)
+                bias, state = self.markov_head.step(prev_emb, h[:, j], state)
+                logits = logits + bias
+            conf = self.confidence(h[:, j], prev_emb)
+            if conf is not None:
+                confidences.append(conf)
+            prev = self.to_target_ids(choose(j, logits))
+            tokens.append(prev)
+        return torch.stack(tokens, dim=1), (torch.stack(confidences, dim=1) if confidences else None)
+
+    def prepare_for_inference(self) -> "DSparkDrafter":
+        self.eval().requires_grad_(False)
+        return self
+
+
+def confident_prefix(confidence_logits: torch.Tensor | None, threshold: float, length: int) -> int:
+    """DeepSpec's truncation: the index of the first slot whose sigmoid(confidence) is below
+    the threshold (so 0 is possible), or the whole block; threshold <= 0 keeps all."""
+    if threshold <= 0 or confidence_logits is None:
+        return length
+    below = (torch.sigmoid(confidence_logits.float()) < threshold).tolist()
+    return next((j for j, b in enumerate(below) if b), length)

@@ -1,0 +1,190 @@
+"""DSpark as a draft source in the engine (spec/source.py's seam), as DeepSpec decodes.
+
+Per request, the source keeps a `ContextCache` of the drafter's projected context K/V
+and the target features not yet in it. Features arrive with every forward that puts
+tokens into the target's cache: the prompt's chunks at prefill, then each step's
+[pending, accepted drafts] from the verify forward (the target is asked for the hidden
+states of `target_layer_ids` on every forward; other sources pay nothing for that).
+A round is one backbone pass over [new context rows, anchor, MASK x (gamma - 1)] for all
+drafting rows at once, then the sequential head slot by slot, each slot's token chosen
+from the request's own processed distribution (greedy: argmax; sampled: drawn with the
+source's generator, and that distribution is the q verification needs), then the
+confidence cut: the proposal ends before the first slot whose sigmoid(confidence) is
+below the threshold (DeepSpec's rule; an empty proposal is a plain decode step).
+
+`trace`, when a list, receives one record per proposal and per commit (what DeepSpec's
+evaluator logs), which is how tests/test_dspark.py compares rounds with its traces.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from verispec.engine.sampling import make_generator, process_logits, sample, sampling_probs
+from verispec.spec.dspark.model import DSparkDrafter, confident_prefix
+from verispec.spec.source import Draft, DraftProvider, DraftSource, SourceContext
+
+
+class DSparkSource(DraftSource):
+    def __init__(self, provider: "DSparkProvider", context: SourceContext):
+        self.provider = provider
+        self.context = context
+        g = provider.drafter.block_size
+        self.cache = provider.drafter.new_cache(len(context.prompt) + context.max_tokens + g + 1)
+        self.pending: list[torch.Tensor] = []  # feature rows [n, m*H] not yet in the cache
+        seed = context.params.seed
+        self.generator = None if context.params.is_greedy else make_generator(
+            None if seed is None else (seed ^ 0xD5A7) & (2**63 - 1))
+
+    def prefill(self, tokens, hidden) -> None:
+        self.pending.append(torch.cat(hidden, dim=-1))
+
+    def commit(self, kept, next_token, hidden) -> None:
+        self.pending.append(torch.cat(hidden, dim=-1))
+        if self.provider.trace is not None:
+            self.provider.trace.append({"event": "commit", "source": id(self), "kept": list(kept), "next": next_token})
+
+    def take_pending(self) -> torch.Tensor | None:
+        rows, self.pending = self.pending, []
+        return torch.cat(rows) if len(rows) > 1 else (rows[0] if rows else None)
+
+    def draft(self, pending: int, max_n: int) -> Draft:
+        return self.provider.draft_batch([(self, pending, max_n)])[0]
+
+    def close(self) -> None:
+        self.cache = None
+        self.pending = []
+
+
+class DSparkProvider(DraftProvider):
+    name = "dspark"
+    provides_q = True
+
+    def __init__(self, drafter: DSparkDrafter, label: str = "DSpark drafter", confidence_threshold=None):
+        self.drafter = drafter
+        self.label = label
+        config = drafter.config
+        self.taps = tuple(config.target_layer_ids)
+        self.block_size = config.block_size
+        self.threshold = config.confidence_threshold if confidence_threshold is None else confidence_threshold
+        self.trace: list | None = None
+        vocab = drafter.draft_vocab_ids
+        self._to_draft = None
+        if vocab is not None:  # target id -> draft-head row, for processors over the full vocabulary
+            self._to_draft = torch.full((config.args.vocab_size,), -1, dtype=torch.long)
+            self._to_draft[vocab.cpu()] = torch.arange(len(vocab))
+
+    def new_source(self, context: SourceContext) -> DSparkSource:
+        return DSparkSource(self, context)
+
+    def describe(self) -> str:
+        c = self.drafter.config
+        head = f"{c.markov_head_type} head r={c.markov_rank}" if c.has_markov else "no sequential head (DFlash)"
+        return (f"{self.label}: {c.args.num_layers} layers, block {c.block_size}, {head}, taps {list(self.taps)}"
+                + (f", confidence threshold {self.threshold}" if self.threshold else ""))
+
+    def kv_bytes(self, capacity: int) -> int:
+        a = self.drafter.config.args
+        element = torch.finfo(self.drafter.kv_dtype()).bits // 8
+        return 2 * a.num_layers * a.num_kv_heads * a.head_dim * element * (capacity + self.block_size + 1)
+
+    def draft_costs(self, target_costs) -> tuple[float, float]:
+        """(per round, per token) in single-token target steps: one backbone pass and the
+        sequential head for a whole block, whatever its length."""
+        from verispec.spec.source import SourceContext as Ctx
+        from verispec.engine.sampling import SamplingParams
+
+        H = self.drafter.config.args.hidden_size
+        source = self.new_source(Ctx([0] * 64, [0], SamplingParams(), 64))
+        source.pending = [torch.zeros(64, H * len(self.taps), dtype=self.drafter.dtype, device=self.drafter.device)]
+        self.draft_batch([(source, 1, self.block_size)])
+        best = float("inf")
+        for _ in range(5):
+            source.pending = [torch.zeros(2, H * len(self.taps), dtype=self.drafter.dtype, device=self.drafter.device)]
+            t = time.perf_counter()
+            self.draft_batch([(source, 1, self.block_size)])
+            best = min(best, time.perf_counter() - t)
+        source.close()
+        return best / target_costs.base_seconds, 0.0
+
+    @torch.inference_mode()
+    def draft_batch(self, requests) -> list[Draft]:
+        active = [(s, p, n) for s, p, n in requests if n > 0]
+        if not active:
+            return [Draft() for _ in requests]
+        sources = [s for s, _, _ in active]
+        anchors = [p for _, p, _ in active]
+        before = [(s.cache.length, sum(f.shape[0] for f in s.pending)) for s in sources]
+        h = self.drafter.draft_hidden([s.cache for s in sources], [s.take_pending() for s in sources], anchors)
+        chooser = _Chooser(self, sources)
+        tokens, confidence = self.drafter.propose(h, anchors, chooser)
+        drafts = {}
+        for r, (source, anchor, max_n) in enumerate(active):
+            row_conf = None if confidence is None else confidence[r]
+            n = min(confident_prefix(row_conf, self.threshold, self.block_size), max_n)
+            q = chooser.q(r, n)
+            drafts[id(source)] = Draft(tokens[r, :n].tolist(), q)
+            if self.trace is not None:
+                self.trace.append({
+                    "event": "propose", "source": id(source), "anchor": anchor,
+                    "cache_len_before": before[r][0], "num_new_context": before[r][1],
+                    "draft_tokens": tokens[r].tolist(),
+                    "confidence_logits": None if row_conf is None else row_conf.tolist(), "proposal_len": n,
+                })
+        return [drafts.get(id(s), Draft()) if n > 0 else Draft() for s, _, n in requests]
+
+
+class _Chooser:
+    """Picks each slot's token for every row from its processed distribution (greedy rows:
+    argmax; sampled rows: a draw with the source's generator) and keeps q for sampled rows."""
+
+    def __init__(self, provider: DSparkProvider, sources: list[DSparkSource]):
+        self.provider = provider
+        self.sources = sources
+        self.params = [s.context.params for s in sources]
+        self.plain = all(p.is_noop for p in self.params)  # greedy, no bias or penalties: argmax as is
+        self.drafted: list[list[int]] = [[] for _ in sources]
+        self.probs: list[list[torch.Tensor]] = [[] for _ in sources]
+
+    def __call__(self, slot: int, logits: torch.Tensor) -> torch.Tensor:
+        if self.plain:
+            choice = logits.argmax(dim=-1)
+            ids = self.provider.drafter.to_target_ids(choice)
+            for r, t in enumerate(ids.tolist()):
+                self.drafted[r].append(t)
+            return choice
+        full = self._full_vocab(logits.float())
+        params = self.params
+        penalties = any(p.has_penalties for p in params)
+        histories = [s.context.output + self.drafted[r] for r, s in enumerate(self.sources)] if penalties else None
+        prompts = [s.context.prompt for s in self.sources] if penalties else None
+        processed = process_logits(full, params, prompts, histories)
+        chosen = sample(processed, params, [s.generator for s in self.sources])
+        if not all(p.is_greedy for p in params):
+            probs = sampling_probs(processed, params)
+            for r, p in enumerate(params):
+                if not p.is_greedy:
+                    self.probs[r].append(probs[r])
+        for r, t in enumerate(chosen.tolist()):
+            self.drafted[r].append(t)
+        return self._to_draft_index(chosen)
+
+    def q(self, row: int, n: int) -> torch.Tensor | None:
+        rows = self.probs[row]
+        return torch.stack(rows[:n]) if rows and n else None
+
+    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        vocab = self.provider.drafter.draft_vocab_ids
+        if vocab is None:
+            return logits
+        full = torch.full((logits.shape[0], self.provider.drafter.config.args.vocab_size), float("-inf"),
+                          dtype=logits.dtype, device=logits.device)
+        full[:, vocab] = logits
+        return full
+
+    def _to_draft_index(self, target_ids: torch.Tensor) -> torch.Tensor:
+        if self.provider._to_draft is None:
+            return target_ids
+        return self.provider._to_draft.to(target_ids.device)[target_ids]

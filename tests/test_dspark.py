@@ -1,0 +1,392 @@
+"""The DSpark port against DeepSpec's own outputs (../shared/oracles/deepspec-tiny, read only).
+
+Tolerances are the fixture README's (§8): module intermediates within 1e-5, logits within
+1e-4, tokens exact; loss terms within 1e-5, masks and ids exact, per-token values within
+1e-5, logits within 1e-4; greedy traces identical round for round.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from verispec.models.decoder import BatchKV
+from verispec.models.loader import load_model
+from verispec.spec.dspark import model as dspark_model
+from verispec.spec.dspark.checkpoint import load_dspark
+from verispec.spec.dspark.loss import dspark_loss
+
+ORACLE = Path(__file__).resolve().parents[1].parent / "shared" / "oracles" / "deepspec-tiny"
+pytestmark = pytest.mark.skipif(not ORACLE.is_dir(), reason=f"DeepSpec oracle fixtures not found at {ORACLE}")
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return load_dspark(ORACLE / "drafter", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model(str(ORACLE / "target"), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def module_io():
+    return load_file(str(ORACLE / "module_io.safetensors")), json.loads((ORACLE / "module_io.json").read_text())
+
+
+def _close(ours, theirs, tol):
+    ours, theirs = torch.as_tensor(ours).float(), torch.as_tensor(theirs).float()
+    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
+    err = (ours - theirs).abs().max().item()
+    assert err <= tol, f"max |difference| {err:.3g} > {tol}"
+
+
+def test_block_forward_matches_deepspec_module_outputs(drafter, module_io, monkeypatch):
+    tensors, meta = module_io
+    layer_outputs = []
+    finish = dspark_model.DraftLayer.finish
+
+    def recording_finish(self, x, attn_out):
+        out = finish(self, x, attn_out)
+        layer_outputs.append(out)
+        return out
+
+    monkeypatch.setattr(dspark_model.DraftLayer, "finish", recording_finish)
+    features = tensors["context_features"][0]
+    _close(drafter.context(features), tensors["ctx_proj"][0], 1e-5)
+    cache = drafter.new_cache(64)
+    h = drafter.draft_hidden([cache], [features], [meta["anchor"]])
+    assert cache.length == meta["draft_cache_len_after_crop"] == meta["num_input_tokens"]
+    for ours, theirs in zip(layer_outputs, tensors["layer_outputs"]):
+        _close(ours, theirs[0], 1e-5)
+    _close(h[0], tensors["block_hidden"][0], 1e-5)
+    _close(drafter.base_logits(h)[0], tensors["base_logits"][0], 1e-4)
+
+    chosen_logits = []
+
+    def greedy(slot, logits):
+        chosen_logits.append(logits[0])
+        return logits.argmax(dim=-1)
+
+    tokens, confidence = drafter.propose(h, [meta["anchor"]], greedy)
+    assert tokens[0].tolist() == meta["draft_tokens_greedy"] == tensors["draft_tokens"][0].tolist()
+    _close(torch.stack(chosen_logits), tensors["draft_logits"][0], 1e-4)
+    _close(confidence[0], tensors["confidence_logits"][0], 1e-4)
+
+
+def test_our_qwen3_target_taps_are_deepspecs_context_features(target, drafter, module_io):
+    """The features we feed the drafter: our decoder's raw layer outputs at
+    target_layer_ids (HF hidden_states[id + 1]), concatenated in order."""
+    tensors, meta = module_io
+    prompt = tensors["prompt_ids"][0]
+    seq = target.model.new_cache().allocate(len(prompt) + 1)
+    out = target.model(prompt, BatchKV([seq], [len(prompt)]), taps=drafter.config.target_layer_ids)
+    _close(torch.cat(out.hidden, dim=-1), tensors["context_features"][0], 1e-5)
+    _close(out.logits[0], tensors["target_last_logits"][0], 1e-4)
+    assert int(out.logits[0].argmax()) == meta["anchor"]
+
+
+def test_training_loss_matches_deepspec(drafter):
+    batch = load_file(str(ORACLE / "loss_batch.safetensors"))
+    expected = json.loads((ORACLE / "loss_expected.json").read_text())
+    logits = load_file(str(ORACLE / "loss_expected.safetensors"))
+    with torch.no_grad():
+        out = drafter.forward_train(batch["input_ids"], batch["target_hidden_states"], batch["loss_mask"],
+                                    batch["anchor_positions"], batch["block_keep_mask"],
+                                    batch["target_last_hidden_states"])
+        hp = expected["loss_hparams"]
+        terms = dspark_loss(out, ce_alpha=hp["ce_loss_alpha"], l1_alpha=hp["l1_loss_alpha"],
+                            conf_alpha=hp["confidence_head_alpha"], decay=hp["loss_decay_gamma"])
+    assert out.target_ids.tolist() == expected["target_ids"]
+    assert out.eval_mask.tolist() == [[[bool(v) for v in slot] for slot in a] for a in expected["eval_mask"]]
+    _close(terms.weight_mask, expected["loss_weight_mask"], 1e-6)
+    _close(out.draft_logits, logits["draft_logits"], 1e-4)
+    _close(out.aligned_target_logits, logits["aligned_target_logits"], 1e-4)
+    _close(out.confidence_logits, expected["confidence_pred_logits"], 1e-4)
+    for name in ("ce", "l1", "c_star", "bce"):
+        _close(terms.per_token[name] * out.eval_mask, torch.tensor(expected["per_token"][name]) * out.eval_mask, 1e-5)
+    loss = expected["loss"]
+    assert abs(terms.ce - loss["ce_loss"]) < 1e-5 and abs(terms.l1 - loss["l1_loss"]) < 1e-5
+    assert abs(terms.confidence - loss["confidence_loss"]) < 1e-5 and abs(terms.total - loss["total_loss"]) < 1e-5
+    assert abs(float(terms.loss) - loss["total_loss"]) < 1e-5
+    metrics = expected["metrics"]
+    for j, rate in enumerate(terms.accept_rate_by_position):
+        assert abs(rate - metrics[f"train/accept_rate@{j}"]) < 1e-5
+    assert abs(terms.tau_probabilistic - metrics["train/tau_probabilistic"]) < 1e-5
+
+
+# -- greedy decoding, round for round -----------------------------------------------------
+
+EOS = 0
+MAX_NEW = 64
+
+
+def _decode_fixture(target, drafter, threshold: float):
+    """All 16 prompts through our engine at once (continuous batching, rows joining as
+    others decode), greedy, full 4-token proposals; returns per prompt our rounds and
+    output tokens."""
+    from tests.tiny_models import CharTokenizer
+    from verispec.engine.engine import Engine, EngineConfig
+    from verispec.engine.request import Collector, GenerationRequest
+    from verispec.spec.dspark.source import DSparkProvider
+
+    provider = DSparkProvider(drafter, confidence_threshold=threshold)
+    provider.trace = []
+    owner = {}
+    new_source = provider.new_source
+
+    def tracking_new_source(context):
+        source = new_source(context)
+        owner[id(source)] = tuple(context.prompt)
+        return source
+
+    provider.new_source = tracking_new_source
+    engine = Engine(target.model, CharTokenizer(), target.stop_ids,
+                    EngineConfig(kv_budget=2**30, num_draft_tokens=drafter.block_size, adaptive_draft=False),
+                    drafter=provider)
+    prompts = [json.loads(line) for line in (ORACLE / "prompts.jsonl").read_text().splitlines()]
+    collectors = []
+    for i, p in enumerate(prompts):
+        collectors.append(Collector())
+        engine.submit(GenerationRequest(p["prompt_ids"], MAX_NEW), collectors[-1])
+        if i % 3 == 0:
+            engine.step()
+    engine.run_until_idle()
+    rounds = {}
+    for record in provider.trace:
+        rounds.setdefault(owner[record["source"]], []).append(record)
+    outputs = {tuple(p["prompt_ids"]): c.result(0) for p, c in zip(prompts, collectors)}
+    return rounds, outputs
+
+
+@pytest.mark.parametrize("trace_file, threshold", [("traces_t0.jsonl", 0.0), ("traces_t0_threshold.jsonl", 0.8)])
+def test_greedy_decoding_matches_deepspec_round_for_round(target, drafter, trace_file, threshold):
+    ours_by_prompt, outputs = _decode_fixture(target, drafter, threshold)
+    compared = 0
+    for line in (ORACLE / trace_file).read_text().splitlines():
+        ref = json.loads(line)
+        prompt = tuple(ref["prompt_ids"])
+        n_prompt = len(prompt)
+        events = ours_by_prompt[prompt]
+        proposals = [e for e in events if e["event"] == "propose"]
+        commits = [e for e in events if e["event"] == "commit"]
+        for k, theirs in enumerate(ref["rounds"]):
+            # our engine stops drafting where the 64-token limit binds (DeepSpec drafts past it)
+            if theirs["start"] - n_prompt + 1 + drafter.block_size + 1 > MAX_NEW:
+                break
+            mine, done = proposals[k], commits[k]
+            assert mine["anchor"] == theirs["anchor"] and mine["cache_len_before"] == theirs["cache_len_before"]
+            assert mine["num_new_context"] == theirs["num_new_context"]
+            assert mine["draft_tokens"] == theirs["draft_tokens"], (prompt, k)
+            _close(mine["confidence_logits"], theirs["confidence_logits"], 1e-4)
+            assert mine["proposal_len"] == theirs["proposal_len"]
+            kept = done["kept"][1:]
+            accepted = len(kept)
+            if EOS in kept:  # DeepSpec cuts the accepted prefix right after a stop token
+                accepted = kept.index(EOS) + 1
+            assert accepted == theirs["accepted"], (prompt, k)
+            if not theirs["terminated_by_stop_token"]:
+                assert done["next"] == theirs["next_token"]
+            compared += 1
+        generated = ref["output_ids"][n_prompt:]
+        if generated and generated[-1] == EOS:
+            generated = generated[:-1]  # EOS ends our output and is never content
+        assert outputs[prompt].token_ids == generated, prompt
+    print(f"{trace_file}: {compared} rounds compared in full")
+    assert compared > 150, "most rounds were compared in full"
+
+
+def test_dspark_greedy_output_equals_plain_decoding(target, drafter):
+    from tests.tiny_models import CharTokenizer
+    from verispec.engine.engine import Engine, EngineConfig
+    from verispec.engine.request import GenerationRequest
+    from verispec.spec.dspark.source import DSparkProvider
+
+    prompts = [json.loads(line)["prompt_ids"] for line in (ORACLE / "prompts.jsonl").read_text().splitlines()]
+    plain = Engine(target.model, CharTokenizer(), target.stop_ids, EngineConfig(kv_budget=2**30))
+    spec = Engine(target.model, CharTokenizer(), target.stop_ids, EngineConfig(kv_budget=2**30),
+                  drafter=DSparkProvider(drafter, confidence_threshold=0.5))
+    for prompt in prompts[:6]:
+        expected = plain.generate(GenerationRequest(prompt, 48)).token_ids
+        result = spec.generate(GenerationRequest(prompt, 48))
+        assert result.token_ids == expected
+    assert spec.speculator.totals.accepted > 50, "the adaptive policy kept a good drafter drafting"
+
+
+# -- temperature > 0: DSpark's q through the request's processors ------------------------------
+
+
+def test_dspark_sampling_keeps_the_target_distribution(target, drafter, monkeypatch):
+    """Joint distribution of the first three tokens (temperature 2.5, top-k 4, so 64 cells;
+    the synthetic language is so predictable that at temperature 1 nearly all mass sits on
+    one path and no rule could be told from another)
+    over 8,000 requests vs the exact one enumerated from the target, with the trained
+    drafter and with one whose Markov head is scrambled (q far from p, many rejections);
+    with the latter, the same test fails when a rejection is resampled from p instead of
+    the residual (the trained drafter's q is too close to p for that to show)."""
+    import copy
+    from scipy import stats
+
+    from tests.tiny_models import CharTokenizer, extend_logits
+    from verispec.engine.engine import Engine, EngineConfig
+    from verispec.engine.request import Collector, GenerationRequest
+    from verispec.engine.sampling import SamplingParams, process_logits, sampling_probs
+    from verispec.spec import verify as verify_module
+    from verispec.spec.dspark.source import DSparkProvider
+
+    prompt = json.loads((ORACLE / "prompts.jsonl").read_text().splitlines()[3])["prompt_ids"]
+    params = SamplingParams(temperature=2.5, top_k=4)
+    exact = {(): 1.0}
+    for _ in range(3):
+        grown = {}
+        for prefix, mass in exact.items():
+            seq = target.model.new_cache().allocate(len(prompt) + 4)
+            logits = extend_logits(target.model, seq, prompt + list(prefix))[-1:]
+            for token, p in enumerate(sampling_probs(process_logits(logits, [params]), [params])[0].tolist()):
+                if p > 0:
+                    grown[prefix + (token,)] = mass * p
+        exact = grown
+
+    scrambled = copy.deepcopy(drafter)
+    with torch.no_grad():
+        w2 = scrambled.markov_head.markov_w2.weight
+        w2.add_(torch.randn(w2.shape, generator=torch.Generator().manual_seed(0)) * 3 * w2.std())
+
+    def sample_counts(n, model=drafter):
+        provider = DSparkProvider(model)
+        engine = Engine(target.model, CharTokenizer(), (), EngineConfig(kv_budget=2**31, max_rows=500, max_waiting=n + 1,
+                                                                       num_draft_tokens=3, adaptive_draft=False),
+                        drafter=provider)
+        collectors = []
+        for i in range(n):
+            collectors.append(Collector())
+            engine.submit(GenerationRequest(prompt, 4, SamplingParams(temperature=2.5, top_k=4, seed=i)), collectors[-1])
+        engine.run_until_idle()
+        totals = engine.speculator.totals
+        assert 0 < totals.accepted < totals.drafted
+        counts = {}
+        for c in collectors:
+            key = tuple(c.result(0).token_ids[:3])
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    def p_value(counts, n):
+        cells = [c for c in exact if exact[c] * n >= 5]
+        observed = [counts.get(c, 0) for c in cells]
+        expected = [exact[c] * n for c in cells]
+        observed.append(n - sum(observed))
+        expected.append(n - sum(expected))
+        return stats.chisquare(observed, expected).pvalue
+
+    n = 8000
+    trained, noisy = p_value(sample_counts(n), n), p_value(sample_counts(n, scrambled), n)
+    monkeypatch.setattr(verify_module, "residual", lambda p, q: p)
+    biased = p_value(sample_counts(n, scrambled), n)
+    print(f"chi-square p: trained drafter {trained:.3g}, scrambled {noisy:.3g}, scrambled without residual {biased:.3g}")
+    assert trained > 1e-3 and noisy > 1e-3
+    assert biased < 1e-6
+
+
+# -- the checkpoint format ------------------------------------------------------------------
+
+
+def test_saved_checkpoints_are_deepspecs_format(drafter, tmp_path):
+    from safetensors import safe_open
+
+    from verispec.spec.dspark.checkpoint import save_dspark
+
+    save_dspark(drafter, tmp_path / "out")
+    theirs = json.loads((ORACLE / "drafter" / "config.json").read_text())
+    ours = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert ours == theirs
+    with safe_open(str(ORACLE / "drafter" / "model.safetensors"), "pt") as a, \
+            safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        for key in a.keys():
+            assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key  # bf16 -> fp32 -> bf16 is exact
+    again = load_dspark(tmp_path / "out", dtype=torch.float32)
+    for (name, x), (_, y) in zip(drafter.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(x, y), name
+
+
+def test_frozen_copies_may_come_from_the_target(drafter, target, tmp_path):
+    from verispec.spec.dspark.checkpoint import save_dspark
+
+    save_dspark(drafter, tmp_path / "slim", include_frozen=False)
+    slim = load_dspark(tmp_path / "slim", target=target, dtype=torch.float32)
+    assert torch.equal(slim.embed_tokens.weight, drafter.embed_tokens.weight)
+    assert torch.equal(slim.lm_head.weight, drafter.lm_head.weight)
+    from verispec.spec.dspark.config import DraftCheckpointError
+
+    with pytest.raises(DraftCheckpointError, match="no target supplies"):
+        load_dspark(tmp_path / "slim")
+
+
+def _config_folder(tmp_path, name, config, weights=True):
+    from safetensors.torch import save_file
+
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    if weights:
+        save_file({"w": torch.zeros(1)}, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_draft_kinds_are_told_apart_with_clear_errors(tmp_path, target):
+    from verispec.errors import UserError
+    from verispec.spec.dspark.checkpoint import draft_kind
+    from verispec.spec.dspark.config import DraftCheckpointError
+    from verispec.spec.factory import load_drafter
+
+    assert draft_kind(ORACLE / "drafter") == "dspark" and draft_kind(ORACLE / "target") == "model"
+    eagle = _config_folder(tmp_path, "eagle", {"architectures": ["LlamaForCausalLMEagle3"]})
+    with pytest.raises(DraftCheckpointError, match="EAGLE"):
+        draft_kind(eagle)
+    dflash = _config_folder(tmp_path, "dflash", {"architectures": ["DFlashDraftModel"]})
+    with pytest.raises(DraftCheckpointError, match="DFlash"):
+        draft_kind(dflash)
+    config = json.loads((ORACLE / "drafter" / "config.json").read_text())
+    foreign = _config_folder(tmp_path, "foreign", config)  # a DSpark config over tensors of another layout
+    with pytest.raises(UserError, match="not a DeepSpec DSpark checkpoint"):
+        load_drafter(target, str(foreign), torch.float32)
+    old = _config_folder(tmp_path, "old", {k: v for k, v in config.items() if k != "target_layer_ids"})
+    with pytest.raises(UserError, match="target_layer_ids"):
+        load_drafter(target, str(old), torch.float32)
+    pickles = _config_folder(tmp_path, "pickles", config, weights=False)
+    (pickles / "pytorch_model.bin").write_bytes(b"\x80\x04")
+    with pytest.raises(Exception, match="safetensors"):
+        load_drafter(target, str(pickles), torch.float32)
+    misfit = _config_folder(tmp_path, "misfit", {**config, "num_target_layers": 12})
+    with pytest.raises(UserError, match="does not fit the target"):
+        load_drafter(target, str(misfit), torch.float32)
+
+
+def test_a_hub_id_resolves_to_a_dspark_drafter(target, monkeypatch):
+    import verispec.models.registry as registry
+
+    asked = []
+    monkeypatch.setattr(registry, "hub_snapshot", lambda repo, progress: asked.append(repo) or ORACLE / "drafter")
+    from verispec.spec.factory import load_drafter
+
+    provider = load_drafter(target, "deepseek-ai/dspark_qwen3_4b_block7", torch.float32)
+    assert asked == ["deepseek-ai/dspark_qwen3_4b_block7"]
+    assert provider.taps == (0, 2, 4) and provider.block_size == 4
+
+
+def test_cli_detects_a_dspark_drafter_and_changes_no_token(capsys):
+    from verispec.cli import main
+
+    text = json.loads((ORACLE / "prompts.jsonl").read_text().splitlines()[0])["turns_text"]
+    argv = ["generate", "-m", str(ORACLE / "target"), "--raw", "--dtype", "float32", "-n", "40", text]
+    assert main(argv) == 0
+    plain = capsys.readouterr()
+    assert main([*argv, "--draft-model", str(ORACLE / "drafter")]) == 0
+    spec = capsys.readouterr()
+    assert spec.out == plain.out and spec.out.strip()
+    assert "drafts accepted" in spec.err and "drafts accepted" not in plain.err
