@@ -229,7 +229,6 @@ def test_dspark_sampling_keeps_the_target_distribution(target, drafter, monkeypa
     drafter and with one whose Markov head is scrambled (q far from p, many rejections);
     with the latter, the same test fails when a rejection is resampled from p instead of
     the residual (the trained drafter's q is too close to p for that to show)."""
-    import copy
     from scipy import stats
 
     from tests.tiny_models import CharTokenizer, extend_logits
@@ -252,10 +251,11 @@ def test_dspark_sampling_keeps_the_target_distribution(target, drafter, monkeypa
                     grown[prefix + (token,)] = mass * p
         exact = grown
 
-    scrambled = copy.deepcopy(drafter)
+    scrambled = load_dspark(ORACLE / "drafter", dtype=torch.float32, prepare=False)
     with torch.no_grad():
         w2 = scrambled.markov_head.markov_w2.weight
         w2.add_(torch.randn(w2.shape, generator=torch.Generator().manual_seed(0)) * 3 * w2.std())
+    scrambled.prepare_for_inference()
 
     def sample_counts(n, model=drafter):
         provider = DSparkProvider(model)
@@ -390,3 +390,37 @@ def test_cli_detects_a_dspark_drafter_and_changes_no_token(capsys):
     spec = capsys.readouterr()
     assert spec.out == plain.out and spec.out.strip()
     assert "drafts accepted" in spec.err and "drafts accepted" not in plain.err
+
+
+def test_served_dspark_drafting_changes_no_token(tmp_path):
+    """The fixture's target served with and without its drafter: four concurrent requests
+    (token-id prompts), the same greedy completions; usage reports the speculation."""
+    import threading
+
+    import openai
+
+    from verispec.server.launch import live_server
+
+    prompts = [json.loads(line)["prompt_ids"] for line in (ORACLE / "prompts.jsonl").read_text().splitlines()[:4]]
+    args = ("-m", str(ORACLE / "target"), "--served-model-name", "tiny", "--dtype", "float32")
+    texts, usages = {}, {}
+    # --fixed-draft: for a 1M-parameter target a DSpark round costs more than the steps it
+    # saves, and the cost-based policy rightly stops drafting; here drafting is the point
+    for name, extra in (("plain", ()), ("dspark", ("--draft-model", str(ORACLE / "drafter"), "--fixed-draft"))):
+        with live_server(*args, *extra, log=tmp_path / f"{name}.log") as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+            results = [None] * len(prompts)
+
+            def run(i):
+                results[i] = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=40, temperature=0)
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            texts[name] = [r.choices[0].text for r in results]
+            usages[name] = [r.usage for r in results]
+    assert texts["dspark"] == texts["plain"] and all(texts["plain"])
+    spec = [u.model_extra["speculation"] for u in usages["dspark"]]
+    assert sum(s["accepted"] for s in spec) > 0 and all(s["mean_accepted_length"] > 1 for s in spec)

@@ -143,7 +143,9 @@ class Engine:
         adaptive = self.config.adaptive_draft
         costs = measure_step_costs(self.model) if adaptive else StepCosts.flat()
         draft_costs = drafter.draft_costs(costs) if adaptive else (0.0, 0.0)
-        return Speculator(drafter, self.config.num_draft_tokens, costs, adaptive, draft_costs)
+        # a block drafter (DSpark) proposes at most its block size, whatever the flag says
+        max_draft = min(self.config.num_draft_tokens, getattr(drafter, "block_size", None) or MAX_DRAFT_TOKENS)
+        return Speculator(drafter, max_draft, costs, adaptive, draft_costs)
 
     # -- API (any thread) -----------------------------------------------------------
 

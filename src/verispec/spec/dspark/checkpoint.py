@@ -49,9 +49,11 @@ def draft_kind(folder: Path) -> str:
     return "model"
 
 
-def load_dspark(folder: Path, target=None, dtype: torch.dtype = torch.float32, device="cpu") -> DSparkDrafter:
+def load_dspark(folder: Path, target=None, dtype: torch.dtype = torch.float32, device="cpu",
+                prepare: bool = True) -> DSparkDrafter:
     """A drafter from a DeepSpec-format folder. `target` (a LoadedModel) is checked for
-    compatibility and supplies the frozen embedding/head when the file leaves them out."""
+    compatibility and supplies the frozen embedding/head when the file leaves them out.
+    `prepare`: ready for decoding (packed weights); False for training or editing."""
     folder = Path(folder)
     config = DSparkConfig.from_dict(read_config(folder))
     if target is not None:
@@ -72,7 +74,8 @@ def load_dspark(folder: Path, target=None, dtype: torch.dtype = torch.float32, d
         raise DraftCheckpointError(f"{folder}: not a DeepSpec DSpark checkpoint for this config ({detail})")
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
     drafter.load_state_dict(state, strict=True, assign=True)
-    return drafter.to(device).prepare_for_inference()
+    drafter = drafter.to(device)
+    return drafter.prepare_for_inference() if prepare else drafter
 
 
 def check_compatible(config: DSparkConfig, target_args) -> None:

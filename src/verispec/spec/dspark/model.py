@@ -40,6 +40,7 @@ from torch import nn
 
 from verispec.models.config import ModelArgs
 from verispec.models.decoder import RotaryTable, apply_rope
+from verispec.models.linear import pack_weight, packed_linear, packing_enabled
 from verispec.spec.dspark.config import DSparkConfig
 from verispec.spec.dspark.heads import HEADS, ConfidenceHead
 
@@ -386,9 +387,33 @@ class DSparkDrafter(nn.Module):
             tokens.append(prev)
         return torch.stack(tokens, dim=1), (torch.stack(confidences, dim=1) if confidences else None)
 
-    def prepare_for_inference(self) -> "DSparkDrafter":
+    def prepare_for_inference(self, pack: bool = True) -> "DSparkDrafter":
+        """Eval mode, no gradients and, on CPU, every linear layer's weight pre-packed for
+        oneDNN (models/linear.py: MKL's small-row matmuls read weights at about half the
+        speed). The dense weights stay, so the state dict is unchanged."""
         self.eval().requires_grad_(False)
+        if pack and packing_enabled(self.device):
+            for module in self.modules():
+                if isinstance(module, nn.Linear) and not isinstance(module, _PackedLinear):
+                    packed = pack_weight(module.weight)
+                    if packed is not None:
+                        module.__class__ = _PackedLinear
+                        module.packed = packed
         return self
+
+
+class _PackedLinear(nn.Linear):
+    """An nn.Linear whose forward uses a oneDNN-packed copy of its (kept) weight; the copy
+    is taken once, so the weight must not change afterwards (train an unprepared drafter)."""
+
+    packed: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype or torch.is_grad_enabled() and self.weight.requires_grad:
+            return super().forward(x)
+        if x.dim() == 2:
+            return packed_linear(x, self.packed, self.bias)
+        return packed_linear(x.reshape(-1, x.shape[-1]), self.packed, self.bias).view(*x.shape[:-1], -1)
 
 
 def confident_prefix(confidence_logits: torch.Tensor | None, threshold: float, length: int) -> int:

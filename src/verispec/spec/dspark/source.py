@@ -150,7 +150,7 @@ class _Chooser:
 
     def __call__(self, slot: int, logits: torch.Tensor) -> torch.Tensor:
         if self.plain:
-            choice = logits.argmax(dim=-1)
+            choice = logits.float().argmax(dim=-1)  # bf16 argmax is ~5x slower on CPU; same first maximum
             ids = self.provider.drafter.to_target_ids(choice)
             for r, t in enumerate(ids.tolist()):
                 self.drafted[r].append(t)
