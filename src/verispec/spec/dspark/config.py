@@ -35,6 +35,12 @@ ARCHITECTURES = {
 SEQUENTIAL_HEADS = ("vanilla", "gated", "rnn")
 
 
+def _threshold(value) -> float | list[float]:
+    if isinstance(value, list):
+        return [float(v) for v in value]
+    return float(value or 0.0)
+
+
 class DraftCheckpointError(ValueError):
     """A draft checkpoint we cannot use, with the reason in one line."""
 
@@ -53,7 +59,7 @@ class DSparkConfig:
     confidence_head_with_markov: bool
     num_anchors: int
     draft_vocab_size: int | None = None
-    confidence_threshold: float = 0.0  # 0: keep every drafted position (DeepSpec's default)
+    confidence_threshold: float | list[float] = 0.0  # 0: keep every drafted position (DeepSpec's default)
 
     @property
     def has_markov(self) -> bool:
@@ -105,7 +111,7 @@ class DSparkConfig:
             confidence_head_with_markov=with_markov,
             num_anchors=int(raw.get("num_anchors", 512)),
             draft_vocab_size=int(raw["draft_vocab_size"]) if raw.get("draft_vocab_size") else None,
-            confidence_threshold=float(raw.get("confidence_threshold", 0.0) or 0.0),
+            confidence_threshold=_threshold(raw.get("confidence_threshold")),
         )
 
     @classmethod

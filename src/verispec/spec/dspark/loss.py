@@ -50,6 +50,16 @@ class LossTerms:
     tau_probabilistic: float = 0.0  # mean over supervised blocks of 1 + sum_j prod_{i<=j} c*_i
 
 
+def weight_sums(eval_mask: torch.Tensor, target_ids: torch.Tensor, decay: float | None = LOSS_DECAY,
+                draft_vocab_ids=None) -> dict:
+    """The denominators a micro-batch contributes, from data alone (before any forward)."""
+    w = eval_mask.float() * decay_weights(eval_mask.shape[-1], decay, eval_mask.device)
+    ce = w
+    if draft_vocab_ids is not None:
+        ce = w * torch.isin(target_ids, draft_vocab_ids).float()
+    return {"ce": float(ce.sum()), "other": float(w.sum())}
+
+
 def decay_weights(block_size: int, decay: float | None = LOSS_DECAY, device=None) -> torch.Tensor:
     j = torch.arange(block_size, device=device, dtype=torch.float32)
     return torch.exp(-j / decay) if decay else torch.ones(block_size, device=device)
@@ -57,8 +67,10 @@ def decay_weights(block_size: int, decay: float | None = LOSS_DECAY, device=None
 
 def dspark_loss(out: TrainOutput, *, ce_alpha: float = CE_ALPHA, l1_alpha: float = L1_ALPHA,
                 conf_alpha: float = CONF_ALPHA, decay: float | None = LOSS_DECAY, draft_vocab_ids=None,
-                global_denominator=None, world_size: int = 1) -> LossTerms:
-    """`global_denominator(local_sum) -> global sum` (an all-reduce) for data parallelism."""
+                denominators: dict | None = None, world_size: int = 1) -> LossTerms:
+    """`denominators` = {"ce": ..., "other": ...}: the weight sums of the whole global batch
+    (all micro-batches, all ranks; see `weight_sums`), so that every micro-batch's loss is
+    its share of the global batch's weighted mean. Default: this micro-batch's own."""
     g = out.draft_logits.shape[2]
     weights = out.eval_mask.float() * decay_weights(g, decay, out.draft_logits.device)
     draft_logp = out.draft_logits.float().log_softmax(dim=-1)
@@ -71,12 +83,13 @@ def dspark_loss(out: TrainOutput, *, ce_alpha: float = CE_ALPHA, l1_alpha: float
     terms = {"ce": ce}
     c_star = None
     if out.aligned_target_logits is not None:
-        p_t = out.aligned_target_logits.float().softmax(dim=-1)
+        target = out.aligned_target_logits.float()
+        p_t = target.exp() if out.target_is_logprobs else target.softmax(dim=-1)
         p_d = draft_logp.exp()
         if draft_vocab_ids is None:
             l1 = (p_d - p_t).abs().sum(dim=-1)
         else:
-            p_t_sub = p_t.index_select(-1, draft_vocab_ids)
+            p_t_sub = p_t if p_t.shape[-1] == len(draft_vocab_ids) else p_t.index_select(-1, draft_vocab_ids)
             l1 = (p_d - p_t_sub).abs().sum(dim=-1) + (1.0 - p_t_sub.sum(dim=-1)).clamp_min(0)
         terms["l1"] = l1
         c_star = (1.0 - 0.5 * l1).clamp(0.0, 1.0).detach()
@@ -86,11 +99,8 @@ def dspark_loss(out: TrainOutput, *, ce_alpha: float = CE_ALPHA, l1_alpha: float
             raise ValueError("the confidence loss needs the target's logits (aligned_target_logits)")
         terms["bce"] = F.binary_cross_entropy_with_logits(out.confidence_logits.float(), c_star, reduction="none")
 
-    def reduce(w):
-        local_sum = w.sum().detach()
-        return local_sum, (global_denominator(local_sum) if global_denominator else local_sum)
-
-    dens = {"ce": reduce(ce_weights), "other": reduce(weights)}
+    dens = {"ce": ce_weights.sum().detach(), "other": weights.sum().detach()}
+    dens = {k: (v, v if denominators is None else torch.as_tensor(denominators[k])) for k, v in dens.items()}
     parts = {"ce": (ce_alpha, "ce"), "l1": (l1_alpha, "l1"), "confidence": (conf_alpha, "bce")}
     loss = torch.zeros((), device=weights.device)
     local = {}
@@ -102,7 +112,7 @@ def dspark_loss(out: TrainOutput, *, ce_alpha: float = CE_ALPHA, l1_alpha: float
         local_den, global_den = dens["ce" if key == "ce" else "other"]
         if alpha > 0:
             loss = loss + alpha * (terms[key] * w).sum() / (global_den + 1e-6)
-        local[name] = float((terms[key] * w).sum() / (local_den + 1e-6))
+        local[name] = float((terms[key].detach() * w).sum() / (local_den + 1e-6))
     total = sum(alpha * local[name] for name, (alpha, key) in parts.items() if key in terms)
     accept, tau = _acceptance_stats(c_star, out.eval_mask)
     return LossTerms(loss * world_size, local["ce"], local["l1"], local["confidence"], total, weights,

@@ -142,6 +142,7 @@ class TrainOutput:
     block_keep_mask: torch.Tensor  # [B, A]
     confidence_logits: torch.Tensor | None  # [B, A, gamma]
     aligned_target_logits: torch.Tensor | None  # [B, A, gamma, V] target at anchor + j
+    target_is_logprobs: bool = False  # aligned_target_logits already normalized (target_lse given)
 
 
 class ContextCache:
@@ -238,10 +239,13 @@ class DSparkDrafter(nn.Module):
         block_keep_mask: torch.Tensor,
         target_last_hidden: torch.Tensor | None = None,
         target_head: nn.Module | None = None,
+        target_lse: torch.Tensor | None = None,
     ) -> TrainOutput:
         """All anchor blocks of a batch in one pass. `target_head` turns the target's
         final hidden states into logits (default: this drafter's lm_head, which for a
-        full-vocabulary drafter is the target's own frozen copy)."""
+        full-vocabulary drafter is the target's own frozen copy). With `target_lse`
+        ([B, S], the logsumexp of the target's full logits) they become log-probabilities,
+        exact even when the head covers only a draft-vocabulary subset."""
         B, S = input_ids.shape
         A, g = anchors.shape[1], self.block_size
         device = input_ids.device
@@ -264,11 +268,7 @@ class DSparkDrafter(nn.Module):
             x = layer.finish(x, out * visible)
         h = self.norm(x).view(B, A, g, -1)
 
-        labels = anchors[:, :, None] + torch.arange(1, g + 1, device=device)
-        safe = torch.where(keep[:, :, None], labels.clamp(max=S - 1), torch.zeros_like(labels))
-        target_ids = input_ids.gather(1, safe.view(B, -1)).view(B, A, g)
-        eval_mask = (labels < S) & (loss_mask.gather(1, safe.view(B, -1)).view(B, A, g) > 0.5) & keep[:, :, None]
-        eval_mask = eval_mask.int().cumprod(dim=-1).bool()
+        target_ids, eval_mask, safe = block_labels(input_ids, loss_mask, anchors, keep, g)
         prev_ids = torch.cat([anchor_tokens[:, :, None], target_ids[:, :, :-1]], dim=-1)
 
         logits = self.base_logits(h)
@@ -294,7 +294,12 @@ class DSparkDrafter(nn.Module):
             cap = self.config.args.final_logit_softcap
             if cap:
                 aligned = torch.tanh(aligned / cap) * cap
-        return TrainOutput(logits, target_ids, eval_mask, keep, confidence, aligned)
+            if target_lse is not None:
+                lse = target_lse.gather(1, (safe - 1).clamp(min=0).view(B, -1)).view(B, A, g, 1)
+                aligned = aligned.float() - lse.float()
+        return TrainOutput(logits, target_ids, eval_mask, keep, confidence, aligned, target_lse is not None)
+
+    forward = forward_train  # what DistributedDataParallel calls
 
     def _train_mask(self, anchors: torch.Tensor, keep: torch.Tensor, S: int):
         """[B, 1, A*g, S + A*g] bool: context strictly before the anchor, the own block.
@@ -416,10 +421,41 @@ class _PackedLinear(nn.Linear):
         return packed_linear(x.reshape(-1, x.shape[-1]), self.packed, self.bias).view(*x.shape[:-1], -1)
 
 
-def confident_prefix(confidence_logits: torch.Tensor | None, threshold: float, length: int) -> int:
+def block_labels(input_ids, loss_mask, anchors, keep, block_size: int):
+    """(target ids, eval mask, clamped label index), each [B, A, gamma], from data alone: slot j
+    of the block at anchor p is labelled with the token at p + j + 1 and supervised while the
+    labels are in range and answer tokens (a contiguous prefix: the cumulative product)."""
+    B, S = input_ids.shape
+    A = anchors.shape[1]
+    labels = anchors[:, :, None] + torch.arange(1, block_size + 1, device=anchors.device)
+    safe = torch.where(keep[:, :, None], labels.clamp(max=S - 1), torch.zeros_like(labels))
+    target_ids = input_ids.gather(1, safe.view(B, -1)).view(B, A, block_size)
+    eval_mask = (labels < S) & (loss_mask.gather(1, safe.view(B, -1)).view(B, A, block_size) > 0.5) & keep[:, :, None]
+    return target_ids, eval_mask.int().cumprod(dim=-1).bool(), safe
+
+
+def sample_anchors(loss_mask: torch.Tensor, count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSpec's sampler for one sequence: up to `count` distinct positions i with
+    loss_mask[i] and loss_mask[i + 1] (the anchor and its first label are answer tokens),
+    uniformly without replacement, sorted; the unused slots are 0 and not kept."""
+    valid = (loss_mask[:-1] > 0.5) & (loss_mask[1:] > 0.5)
+    candidates = valid.nonzero().flatten()
+    chosen = candidates[torch.randperm(len(candidates), generator=generator)[:count]].sort().values
+    anchors = torch.zeros(count, dtype=torch.long)
+    keep = torch.zeros(count, dtype=torch.bool)
+    anchors[: len(chosen)] = chosen
+    keep[: len(chosen)] = True
+    return anchors, keep
+
+
+def confident_prefix(confidence_logits: torch.Tensor | None, threshold, length: int) -> int:
     """DeepSpec's truncation: the index of the first slot whose sigmoid(confidence) is below
-    the threshold (so 0 is possible), or the whole block; threshold <= 0 keeps all."""
-    if threshold <= 0 or confidence_logits is None:
+    the threshold (so 0 is possible), or the whole block; a threshold <= 0 keeps all. The
+    threshold may be one number or one per slot (`verispec dspark calibrate` fits those)."""
+    if confidence_logits is None:
         return length
-    below = (torch.sigmoid(confidence_logits.float()) < threshold).tolist()
-    return next((j for j, b in enumerate(below) if b), length)
+    per_slot = threshold if isinstance(threshold, (list, tuple)) else [threshold] * length
+    if all(t <= 0 for t in per_slot):
+        return length
+    conf = torch.sigmoid(confidence_logits.float()).tolist()
+    return next((j for j, (c, t) in enumerate(zip(conf, per_slot)) if t > 0 and c < t), length)

@@ -1,0 +1,198 @@
+"""`verispec dspark features`: the target's features for training, computed once, on disk.
+
+For every datagen record (prompt + answer), one teacher-forced target forward gives per
+position what the DSpark loss needs (spec §6.1's target cache, scaled down):
+
+    taps         bf16 [T, m*H]   raw outputs of target_layer_ids, concatenated (-1 = embeddings)
+    last_hidden  bf16 [T, H]     the final-normed hidden state (target logits = lm_head of it)
+    lse          fp32 [T]        logsumexp of the target's logits at answer positions, 0 on the
+                                 prompt (ours: lets a drafter with a draft-vocabulary subset get
+                                 exact target log-probs on it)
+    input_ids    int32 [T], loss_mask uint8 [T] (1 on answer tokens, the final stop token included)
+
+Shards of `--shard-size` records are written atomically as safetensors files
+(`shard-00000.safetensors`: the fields above concatenated, plus `offsets` [n+1]) and listed
+in `manifest.json` after each one, so an interrupted run continues from the next shard.
+Training reads slices through safetensors' memory map.
+
+Why a cache rather than target forwards during training: measured on this machine (README,
+"Training a drafter"), the target's teacher-forced forward per sequence costs a large
+share of a drafter training step, and training makes several passes over the data; the
+cache is computed once and costs ~7 KiB per token on disk (SmolLM2, 5 taps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from verispec.errors import UserError
+
+MANIFEST = "manifest.json"
+VERSION = 1
+
+
+def default_taps(num_layers: int, count: int = 5) -> list[int]:
+    """DeepSpec's spacing (Qwen3-4B's 36 layers -> 1, 9, 17, 25, 33): from layer 1 in equal
+    strides, never the last layer."""
+    stride = max(1, (num_layers - 2) // (count - 1))
+    return [min(1 + i * stride, num_layers - 2) for i in range(count)]
+
+
+def read_records(path: Path, min_loss_tokens: int = 14) -> list[dict]:
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        if len(r.get("answer_ids", [])) >= min_loss_tokens:  # DeepSpec's min_loss_tokens
+            records.append(r)
+    return records
+
+
+@torch.inference_mode()
+def sequence_features(model, prompt_ids: list[int], answer_ids: list[int], taps: list[int]) -> dict:
+    from verispec.models.decoder import BatchKV
+
+    ids = torch.tensor(prompt_ids + answer_ids, dtype=torch.long, device=model.device)
+    n, first = len(ids), len(prompt_ids)
+    last = model.args.num_layers - 1
+    seq = model.new_cache().allocate(n)
+    want = sorted(set(taps) | {last})
+    # a drafter's targets are the target's distributions at answer positions only (its anchors
+    # are answer tokens), so the full-vocabulary logits are computed there alone
+    out = model(ids, BatchKV([seq], [n]), logits_at=torch.arange(first, n, device=model.device), taps=want)
+    hidden = dict(zip(want, out.hidden))
+    last_hidden = model._norm(hidden[last], model.final_norm)
+    loss_mask = torch.zeros(n, dtype=torch.uint8)
+    loss_mask[first:] = 1
+    lse = torch.zeros(n, dtype=torch.float32)
+    lse[first:] = out.logits.logsumexp(dim=-1).float().cpu()
+    return {
+        "input_ids": ids.to(torch.int32).cpu(),
+        "loss_mask": loss_mask,
+        "taps": torch.cat([hidden[t] for t in taps], dim=-1).to(torch.bfloat16).cpu(),
+        "last_hidden": last_hidden.to(torch.bfloat16).cpu(),
+        "lse": lse,
+    }
+
+
+def load_manifest(folder: Path) -> dict | None:
+    path = folder / MANIFEST
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_manifest(folder: Path, manifest: dict) -> None:
+    tmp = folder / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    os.replace(tmp, folder / MANIFEST)
+
+
+def run_features(args) -> int:
+    from tqdm.auto import tqdm
+
+    from verispec.models.loader import load_model, resolve_dtype
+    from verispec.models.registry import DEFAULT_MODEL
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records = read_records(Path(args.data))
+    if not records:
+        raise UserError(f"{args.data}: no datagen records with answers (run `verispec dspark datagen` first)")
+    loaded = load_model(args.model or DEFAULT_MODEL, dtype=resolve_dtype(args.dtype))
+    args_m = loaded.model.args
+    taps = [int(t) for t in args.taps.split(",")] if args.taps else default_taps(args_m.num_layers)
+    manifest = load_manifest(out) or {
+        "version": VERSION, "target": str(loaded.folder), "target_name": loaded.name, "target_layer_ids": taps,
+        "hidden_size": args_m.hidden_size, "num_target_layers": args_m.num_layers, "vocab_size": args_m.vocab_size,
+        "data": str(Path(args.data).resolve()), "shard_size": args.shard_size, "shards": [], "records": 0,
+        "tokens": 0, "bytes": 0, "complete": False,
+    }
+    if manifest["target_layer_ids"] != taps or manifest["hidden_size"] != args_m.hidden_size:
+        raise UserError(f"{out} holds features for taps {manifest['target_layer_ids']} of another target or tap set; "
+                        "use a new --out folder")
+    start = manifest["records"]
+    todo = records[start:]
+    print(f"features: {start} of {len(records)} records already in {out}; taps {taps}", file=sys.stderr)
+    t0 = time.perf_counter()
+    with tqdm(total=len(records), initial=start, unit="seq", desc="features", file=sys.stderr,
+              disable=args.quiet) as bar:
+        for shard_start in range(0, len(todo), manifest["shard_size"]):
+            batch = todo[shard_start : shard_start + manifest["shard_size"]]
+            parts = []
+            for record in batch:
+                parts.append(sequence_features(loaded.model, record["prompt_ids"], record["answer_ids"], taps))
+                bar.update(1)
+            index = len(manifest["shards"])
+            name = f"shard-{index:05d}.safetensors"
+            tensors = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+            tensors["offsets"] = torch.tensor([0] + [len(p["input_ids"]) for p in parts]).cumsum(0)
+            save_file(tensors, str(out / (name + ".partial")))
+            os.replace(out / (name + ".partial"), out / name)
+            size = (out / name).stat().st_size
+            manifest["shards"].append({"file": name, "records": len(batch), "tokens": int(tensors["offsets"][-1])})
+            manifest["records"] += len(batch)
+            manifest["tokens"] += int(tensors["offsets"][-1])
+            manifest["bytes"] += size
+            write_manifest(out, manifest)
+    manifest["complete"] = manifest["records"] == len(records)
+    write_manifest(out, manifest)
+    print(f"features: {manifest['records']} sequences, {manifest['tokens']} tokens, "
+          f"{manifest['bytes'] / 2**30:.2f} GiB on disk ({manifest['bytes'] / max(1, manifest['tokens']) / 1024:.1f} KiB "
+          f"per token), {time.perf_counter() - t0:.0f} s this run -> {out}", file=sys.stderr)
+    return 0
+
+
+@dataclass
+class Sample:
+    input_ids: torch.Tensor  # int64 [T]
+    loss_mask: torch.Tensor  # float [T]
+    taps: torch.Tensor  # bf16 [T, m*H]
+    last_hidden: torch.Tensor  # bf16 [T, H]
+    lse: torch.Tensor  # fp32 [T]
+
+
+class FeatureCache:
+    """Random access to the samples of a features folder (memory-mapped shards)."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.manifest = load_manifest(self.folder)
+        if self.manifest is None:
+            raise UserError(f"{folder}: no {MANIFEST} (run `verispec dspark features` first)")
+        self.index = []  # (shard, start, end)
+        self._files = {}
+        for shard in self.manifest["shards"]:
+            with safe_open(str(self.folder / shard["file"]), "pt") as f:
+                offsets = f.get_tensor("offsets").tolist()
+            self.index.extend((shard["file"], a, b) for a, b in zip(offsets, offsets[1:]))
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _open(self, name: str):
+        handle = self._files.get(name)
+        if handle is None:
+            handle = self._files[name] = safe_open(str(self.folder / name), "pt")
+        return handle
+
+    def __getitem__(self, i: int) -> Sample:
+        name, a, b = self.index[i]
+        f = self._open(name)
+        return Sample(
+            input_ids=f.get_slice("input_ids")[a:b].long(),
+            loss_mask=f.get_slice("loss_mask")[a:b].float(),
+            taps=f.get_slice("taps")[a:b],
+            last_hidden=f.get_slice("last_hidden")[a:b],
+            lse=f.get_slice("lse")[a:b],
+        )

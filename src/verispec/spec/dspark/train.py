@@ -1,0 +1,377 @@
+"""`verispec dspark train`: DeepSpec's recipe (spec §6.2), scaled down to one CPU box.
+
+* The drafter is built from the target's config (DSparkConfig.from_target) and initialized
+  as DeepSpec's trainer does: normal(0, initializer_range) weights, zero biases, unit
+  norms; the embedding and the output head are frozen copies of the target's (the head's
+  rows of the draft vocabulary, when the drafter has one: the `--draft-vocab` most frequent
+  answer tokens of the training data).
+* Each sequence contributes up to `--anchors` random anchor blocks (only where the anchor
+  and its first label are answer tokens); the loss is 0.1 CE + 0.9 L1 + 1.0 BCE with
+  exp(-j/4) position weights (loss.py), as weighted means over the whole global batch.
+* AdamW (lr 6e-4, no weight decay), linear warm-up over 4% of the steps then cosine to 0,
+  gradient clipping at 1.0, float32 master weights; `--bf16` runs the forward under bf16
+  autocast (measured on this CPU: see README).
+* Data order: a permutation per epoch (seed + epoch); a global batch of `--batch`
+  sequences is split across ranks (rank r takes every world-size-th) and processed one
+  sequence per micro-step. Anchors depend only on (seed, epoch, sample), and every
+  micro-step's loss is divided by the global batch's weight sums (computed from the data
+  before the forward and all-reduced), so 1 process and N processes take the same steps.
+* Under `torchrun` it runs DistributedDataParallel (gloo on CPU, nccl on GPU).
+* Checkpoints every `--save-every` steps and at the end: `step_<n>/` in DeepSpec's format
+  (config.json + model.safetensors, frozen copies left out) plus the trainer state
+  (`trainer/`: float32 weights, AdamW moments, step; safetensors + JSON, never pickles); `latest`
+  names the newest. Rerunning the same command resumes from it. A metrics log
+  (metrics.jsonl) and PNG curves (curves.png) are written alongside.
+
+Checked by tests/test_dspark_train.py: the loss goes down on a small cache, a resumed
+run continues exactly where it stopped, and 2 processes under torchrun end with the same
+weights as 1 process with the same global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from verispec.errors import UserError
+from verispec.spec.dspark.loss import dspark_loss, weight_sums
+
+STATE = "trainer/state.safetensors"  # a subfolder: the model folder itself holds only the model
+
+
+def draft_vocabulary(cache, size: int, always=()) -> torch.Tensor:
+    """The `size` most frequent answer tokens of the cache (and `always`), sorted ids."""
+    counts = Counter()
+    for i in range(len(cache)):
+        s = cache[i]
+        counts.update(s.input_ids[s.loss_mask > 0.5].tolist())
+    chosen = {t for t, _ in counts.most_common(size)} | {int(t) for t in always}
+    ranked = sorted(chosen, key=lambda t: -counts.get(t, 0))[:max(size, len(always))]
+    return torch.tensor(sorted(set(ranked) | {int(t) for t in always}), dtype=torch.long)
+
+
+def init_drafter(drafter, target_folder: Path, std: float, seed: int) -> None:
+    """DeepSpec's init: normal(0, std) weights, zero biases, unit norms (gemma's (1 + w)
+    norms start at w = 0); embedding and head copied from the target and frozen. Seeded:
+    every rank, and every rerun, starts from the same weights."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif "norm" in name:
+                p.fill_(0.0 if drafter.config.args.norm_offset else 1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator) * std)
+    copy_frozen(drafter, target_folder)
+
+
+def copy_frozen(drafter, target_folder: Path) -> None:
+    """The frozen embedding and head: the target's (head rows of the draft vocabulary)."""
+    from types import SimpleNamespace
+
+    from verispec.models.config import from_hf_config
+    from verispec.models.loader import read_config
+    from verispec.spec.dspark.checkpoint import frozen_from_target
+
+    args = from_hf_config(read_config(target_folder))  # the target's own: does it tie its head?
+    target = SimpleNamespace(folder=target_folder, model=SimpleNamespace(args=args))
+    tensors = {} if drafter.draft_vocab_ids is None else {"draft_vocab_ids": drafter.draft_vocab_ids}
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(frozen_from_target(target, "embed_tokens.weight", tensors))
+        drafter.lm_head.weight.copy_(frozen_from_target(target, "lm_head.weight", tensors))
+    drafter.embed_tokens.requires_grad_(False)
+    drafter.lm_head.requires_grad_(False)
+
+
+class Distributed:
+    """torchrun's environment, or a single process."""
+
+    def __init__(self):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        if self.world > 1:
+            import torch.distributed as dist
+
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend)
+            self.dist = dist
+        else:
+            self.dist = None
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        if self.dist is None:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        self.dist.all_reduce(t)
+        return t.tolist()
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self):
+        if self.dist is not None:
+            self.dist.barrier()
+
+    def close(self):
+        if self.dist is not None:
+            self.dist.destroy_process_group()
+
+
+def lr_at(step: int, total: int, peak: float, warmup_ratio: float = 0.04) -> float:
+    """DeepSpec's CosineAnnealingWarmupLR: lr (t+1)/W for W = int(0.04 total) steps, then cosine to 0."""
+    warmup = int(warmup_ratio * total)
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+def run_train(args) -> int:
+    from verispec.models.loader import read_config
+    from verispec.spec.dspark.config import DSparkConfig
+    from verispec.spec.dspark.features import FeatureCache
+    from verispec.spec.dspark.model import DSparkDrafter, block_labels, sample_anchors
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    world = Distributed()
+    cache = FeatureCache(Path(args.features))
+    manifest = cache.manifest
+    out = Path(args.out)
+    if world.main:
+        out.mkdir(parents=True, exist_ok=True)
+    world.barrier()
+    target_folder = Path(manifest["target"])
+    target_config = read_config(target_folder)
+    latest = _latest(out)
+    if latest is not None:
+        config = DSparkConfig.from_dict(json.loads((latest / "config.json").read_text()))
+    else:
+        vocab = None
+        if args.draft_vocab and args.draft_vocab < manifest["vocab_size"]:
+            eos = target_config.get("eos_token_id")
+            vocab = draft_vocabulary(cache, args.draft_vocab, always=[eos] if isinstance(eos, int) else (eos or []))
+        config = DSparkConfig.from_target(
+            target_config, num_draft_layers=args.layers, block_size=args.block_size,
+            target_layer_ids=manifest["target_layer_ids"], mask_token_id=args.mask_token_id,
+            markov_rank=args.markov_rank, markov_head_type=args.head, enable_confidence_head=args.markov_rank > 0,
+            confidence_head_with_markov=args.markov_rank > 0, num_anchors=args.anchors,
+            draft_vocab_size=None if vocab is None else len(vocab))
+    drafter = DSparkDrafter(config)
+    if latest is None:
+        if drafter.draft_vocab_ids is not None:
+            drafter.draft_vocab_ids.copy_(vocab)
+        init_drafter(drafter, target_folder, float(target_config.get("initializer_range", 0.02)), args.seed)
+    else:
+        _load_state_into(drafter, latest, target_folder)
+    drafter.train()
+    target_head = torch.nn.Linear(config.args.hidden_size, drafter.lm_head.out_features, bias=False)
+    target_head.weight.data.copy_(drafter.lm_head.weight)  # the target's own (frozen) head rows
+    target_head.requires_grad_(False)
+
+    model = drafter
+    if world.dist is not None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(drafter)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    steps_per_epoch = len(cache) // args.batch
+    if steps_per_epoch == 0:
+        raise UserError(f"{len(cache)} sequences do not make one global batch of {args.batch}")
+    total = args.steps or steps_per_epoch * args.epochs
+    step = 0
+    if latest is not None:
+        step = _load_optimizer(optimizer, params, drafter, latest)
+    vocab_ids = drafter.draft_vocab_ids
+    metrics_path = out / "metrics.jsonl"
+    if world.main:
+        print(f"train: {len(cache)} sequences, {total} steps of {args.batch} (world {world.world}), "
+              f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, starting at step {step}",
+              file=sys.stderr)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.bf16 else _null()
+    deadline = time.monotonic() + args.max_minutes * 60 if args.max_minutes else None
+    while step < total:
+        epoch, within = divmod(step, steps_per_epoch)
+        order = torch.randperm(len(cache), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
+        batch = order[within * args.batch : (within + 1) * args.batch]
+        mine = batch[world.rank :: world.world]
+        t0 = time.perf_counter()
+        prepared = []
+        local = {"ce": 0.0, "other": 0.0}
+        for index in mine:
+            sample = cache[index]
+            g = torch.Generator().manual_seed(hash((args.seed, epoch, index)) % (2**63))
+            anchors, keep = sample_anchors(sample.loss_mask, args.anchors, g)
+            ids, mask = sample.input_ids[None], sample.loss_mask[None]
+            target_ids, eval_mask, _ = block_labels(ids, mask, anchors[None], keep[None], config.block_size)
+            sums = weight_sums(eval_mask, target_ids, draft_vocab_ids=vocab_ids)
+            local = {k: local[k] + sums[k] for k in local}
+            prepared.append((sample, anchors, keep))
+        dens = dict(zip(local, world.all_sum([local["ce"], local["other"]])))
+        lr = lr_at(step, total, args.lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        totals = Counter()
+        tokens = 0
+        for i, (sample, anchors, keep) in enumerate(prepared):
+            sync = world.dist is None or i == len(prepared) - 1
+            context = model.no_sync() if not sync else _null()
+            with context:
+                with autocast:
+                    out_ = model(sample.input_ids[None], sample.taps[None], sample.loss_mask[None], anchors[None],
+                                 keep[None], sample.last_hidden[None], target_head, sample.lse[None])
+                terms = dspark_loss(out_, draft_vocab_ids=vocab_ids, denominators=dens, world_size=world.world)
+                terms.loss.backward()
+            share = {"ce": terms.ce, "l1": terms.l1, "confidence": terms.confidence}
+            weight = float(terms.weight_mask.sum())
+            for k, v in share.items():
+                totals[k] += v * weight
+            for j, a in enumerate(terms.accept_rate_by_position):
+                totals[f"accept@{j}"] += a * weight
+            totals["weight"] += weight
+            tokens += len(sample.input_ids)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, args.clip))
+        optimizer.step()
+        step += 1
+        record = _record(step, epoch, lr, grad_norm, totals, world, tokens, time.perf_counter() - t0)
+        if world.main:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            if step % args.log_every == 0 or step == total:
+                print(f"step {step}/{total} loss {record['loss']:.4f} (ce {record['ce']:.3f} l1 {record['l1']:.3f} "
+                      f"bce {record['confidence']:.3f}) accept {record['accept_by_position'][:4]} lr {lr:.2e} "
+                      f"{record['seconds']:.1f}s", file=sys.stderr, flush=True)
+        # stop early (resumable) at --stop-at or when the time budget is spent; ranks agree
+        stop = step == args.stop_at or (deadline is not None and world.all_sum([float(time.monotonic() > deadline)])[0] > 0)
+        if step % args.save_every == 0 or step == total or stop:
+            if world.main:
+                _save(drafter, optimizer, params, out, step)
+                _plot(metrics_path, out / "curves.png")
+            world.barrier()
+        if stop:
+            if world.main:
+                print(f"train: stopped at step {step} of {total}; rerun the same command to continue", file=sys.stderr)
+            break
+    world.close()
+    return 0
+
+
+def _record(step, epoch, lr, grad_norm, totals, world, tokens, seconds) -> dict:
+    keys = ["ce", "l1", "confidence", "weight", *sorted(k for k in totals if k.startswith("accept@"))]
+    summed = dict(zip(keys, world.all_sum([totals[k] for k in keys])))
+    w = max(summed["weight"], 1e-9)
+    ce, l1, conf = summed["ce"] / w, summed["l1"] / w, summed["confidence"] / w
+    accept = [round(summed[k] / w, 4) for k in keys if k.startswith("accept@")]
+    return {"step": step, "epoch": epoch, "lr": lr, "loss": 0.1 * ce + 0.9 * l1 + conf, "ce": ce, "l1": l1,
+            "confidence": conf, "accept_by_position": accept, "grad_norm": grad_norm, "tokens": tokens,
+            "seconds": seconds}
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _latest(out: Path) -> Path | None:
+    pointer = out / "latest"
+    if pointer.is_file():
+        folder = out / pointer.read_text().strip()
+        if (folder / STATE).is_file():
+            return folder
+    return None
+
+
+def _save(drafter, optimizer, params, out: Path, step: int) -> None:
+    from verispec.spec.dspark.checkpoint import save_dspark
+
+    folder = out / f"step_{step}"
+    save_dspark(drafter, folder, include_frozen=False)
+    names = {id(p): n for n, p in drafter.named_parameters()}
+    state = {f"param.{n}": p.detach().float().contiguous() for n, p in drafter.named_parameters() if p.requires_grad}
+    meta = {"step": step}
+    for p in params:
+        s = optimizer.state.get(p)
+        if s:
+            state[f"exp_avg.{names[id(p)]}"] = s["exp_avg"].contiguous()
+            state[f"exp_avg_sq.{names[id(p)]}"] = s["exp_avg_sq"].contiguous()
+            meta["adam_step"] = float(s["step"])
+    if drafter.draft_vocab_ids is not None:
+        state["draft_vocab_ids"] = drafter.draft_vocab_ids.contiguous()
+    (folder / STATE).parent.mkdir(exist_ok=True)
+    save_file(state, str(folder / (STATE + ".partial")))
+    os.replace(folder / (STATE + ".partial"), folder / STATE)
+    (folder / "trainer" / "state.json").write_text(json.dumps(meta))
+    (out / "latest.partial").write_text(folder.name)
+    os.replace(out / "latest.partial", out / "latest")
+
+
+def _load_state_into(drafter, folder: Path, target_folder: Path) -> None:
+    """Resume: the float32 weights of the trainer state; the frozen copies from the target."""
+    state = load_file(str(folder / STATE))
+    with torch.no_grad():
+        params = dict(drafter.named_parameters())
+        for key, value in state.items():
+            if key.startswith("param."):
+                params[key[len("param."):]].copy_(value)
+        if drafter.draft_vocab_ids is not None:
+            drafter.draft_vocab_ids.copy_(state["draft_vocab_ids"])
+    copy_frozen(drafter, target_folder)
+
+
+def _load_optimizer(optimizer, params, drafter, folder: Path) -> int:
+    state = load_file(str(folder / STATE))
+    meta = json.loads((folder / "trainer" / "state.json").read_text())
+    names = {id(p): n for n, p in drafter.named_parameters()}
+    for p in params:
+        n = names[id(p)]
+        if f"exp_avg.{n}" in state:
+            optimizer.state[p] = {"step": torch.tensor(meta["adam_step"]), "exp_avg": state[f"exp_avg.{n}"].clone(),
+                                  "exp_avg_sq": state[f"exp_avg_sq.{n}"].clone()}
+    return int(meta["step"])
+
+
+def _plot(metrics_path: Path, png: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    if not rows:
+        return
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for key in ("loss", "ce", "l1", "confidence"):
+        axes[0].plot(steps, [r[key] for r in rows], label=key)
+    axes[0].set_title("loss terms")
+    axes[0].set_xlabel("step")
+    axes[0].legend()
+    width = len(rows[-1]["accept_by_position"])
+    for j in range(width):
+        axes[1].plot(steps, [r["accept_by_position"][j] for r in rows], label=f"slot {j}")
+    axes[1].set_title("teacher-forced acceptance c* by slot")
+    axes[1].set_xlabel("step")
+    axes[1].legend(fontsize=7)
+    axes[2].plot(steps, [r["lr"] for r in rows])
+    axes[2].set_title("learning rate")
+    axes[2].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,108 @@
+"""Training a DSpark drafter end to end on the fixture's tiny target (fast: 1M parameters).
+
+datagen -> features -> train through the CLI; the loss goes down; an interrupted run
+resumed from its checkpoint ends with exactly the weights of an uninterrupted one; two
+processes under torchrun (gloo, DistributedDataParallel) end with the weights of one
+process with the same global batch; the trained checkpoint loads as a drafter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from verispec.cli import main
+
+ORACLE = Path(__file__).resolve().parents[1].parent / "shared" / "oracles" / "deepspec-tiny"
+pytestmark = pytest.mark.skipif(not ORACLE.is_dir(), reason=f"DeepSpec oracle fixtures not found at {ORACLE}")
+TRAIN = ["--layers", "1", "--block-size", "4", "--markov-rank", "8", "--draft-vocab", "0", "--mask-token-id", "511",
+         "--anchors", "16", "--batch", "4", "--log-every", "100"]
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory):
+    work = tmp_path_factory.mktemp("dspark-train")
+    prompts = work / "prompts.jsonl"
+    lines = [json.loads(line) for line in (ORACLE / "prompts.jsonl").read_text().splitlines()]
+    prompts.write_text("".join(json.dumps({"prompt": p["turns_text"]}) + "\n" for p in lines))
+    target = str(ORACLE / "target")
+    assert main(["dspark", "datagen", "-m", target, "--prompts", str(prompts), "--out", str(work / "answers.jsonl"),
+                 "--max-tokens", "48", "--dtype", "float32", "--quiet"]) == 0
+    # resumable: a second run finds everything done and writes nothing new
+    before = (work / "answers.jsonl").read_text()
+    assert main(["dspark", "datagen", "-m", target, "--prompts", str(prompts), "--out", str(work / "answers.jsonl"),
+                 "--max-tokens", "48", "--dtype", "float32", "--quiet"]) == 0
+    assert (work / "answers.jsonl").read_text() == before
+    assert main(["dspark", "features", "-m", target, "--data", str(work / "answers.jsonl"), "--out",
+                 str(work / "features"), "--taps", "0,2,4", "--shard-size", "6", "--dtype", "float32", "--quiet"]) == 0
+    return work / "features"
+
+
+def _weights(folder: Path) -> dict:
+    return {k: v for k, v in load_file(str(folder / "trainer" / "state.safetensors")).items() if k.startswith("param.")}
+
+
+def test_training_lowers_the_loss_and_the_checkpoint_serves(features, tmp_path):
+    out = tmp_path / "run"
+    assert main(["dspark", "train", "--features", str(features), "--out", str(out), *TRAIN, "--steps", "80",
+                 "--lr", "3e-3", "--save-every", "80"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    first, last = sum(r["loss"] for r in rows[:4]) / 4, sum(r["loss"] for r in rows[-4:]) / 4
+    assert last < 0.7 * first, (first, last)
+    assert (out / "curves.png").stat().st_size > 1000
+    from verispec.models.loader import load_model
+    from verispec.spec.dspark.checkpoint import load_dspark
+
+    target = load_model(str(ORACLE / "target"), dtype=torch.float32)
+    drafter = load_dspark(out / (out / "latest").read_text().strip(), target=target)
+    assert drafter.config.block_size == 4 and drafter.config.target_layer_ids == [0, 2, 4]
+
+
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(features, tmp_path):
+    common = ["dspark", "train", "--features", str(features), *TRAIN, "--steps", "6", "--save-every", "3"]
+    assert main([*common, "--out", str(tmp_path / "straight")]) == 0
+    interrupted = tmp_path / "interrupted"
+    assert main([*common, "--stop-at", "3", "--out", str(interrupted)]) == 0
+    assert (interrupted / "latest").read_text() == "step_3"
+    # the same command as the straight run, pointed at the interrupted folder: resumes at step 3
+    assert main([*common, "--out", str(interrupted)]) == 0
+    a, b = _weights(tmp_path / "straight" / "step_6"), _weights(interrupted / "step_6")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5, msg=k)
+
+
+def test_two_processes_train_like_one(features, tmp_path):
+    common = [*TRAIN, "--features", str(features), "--steps", "4", "--save-every", "4", "--threads", "1"]
+    assert main(["dspark", "train", *common, "--out", str(tmp_path / "one")]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(_free_port()), "-m", "verispec.cli", "dspark", "train", *common,
+                           "--out", str(tmp_path / "two")], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = _weights(tmp_path / "one" / "step_4"), _weights(tmp_path / "two" / "step_4")
+    for k in one:
+        torch.testing.assert_close(one[k], two[k], atol=2e-5, rtol=1e-4, msg=k)
+    moved = max(float((one[k] - _weights_init(features, tmp_path)[k]).abs().max()) for k in one)
+    assert moved > 1e-3, "the weights did move"
+
+
+def _weights_init(features, tmp_path):
+    out = tmp_path / "zero"
+    if not (out / "step_1").is_dir():
+        assert main(["dspark", "train", *TRAIN, "--features", str(features), "--steps", "1", "--save-every", "1",
+                     "--lr", "0", "--out", str(out)]) == 0
+    return _weights(out / "step_1")
+
+
+def _free_port() -> int:
+    from verispec.server.launch import free_port
+
+    return free_port()
