@@ -106,3 +106,48 @@ def _free_port() -> int:
     from verispec.server.launch import free_port
 
     return free_port()
+
+
+def test_calibrate_writes_thresholds_and_measure_reports(tmp_path):
+    """On the fixture: calibrate fits one threshold per position from live rounds and writes
+    them into the checkpoint's config (which then loads with them); measure writes its table,
+    plots and JSON, tau within (1, gamma + 1] and the acceptance a probability."""
+    import shutil
+
+    from verispec.spec.dspark.calibrate import fit_threshold
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(ORACLE / "drafter", drafter)
+    for f in drafter.iterdir():
+        f.chmod(0o644)
+    lines = [json.loads(line) for line in (ORACLE / "prompts.jsonl").read_text().splitlines()]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p["turns_text"]}) + "\n" for p in lines))
+    target = str(ORACLE / "target")
+    assert main(["dspark", "calibrate", "--drafter", str(drafter), "-m", target, "--prompts", str(prompts), "--skip", "0",
+                 "--limit", "16", "--max-tokens", "48", "--min-evidence", "5", "--dtype", "float32", "--quiet"]) == 0
+    config = json.loads((drafter / "config.json").read_text())
+    assert isinstance(config["confidence_threshold"], list) and len(config["confidence_threshold"]) == 4
+    report = json.loads((drafter / "calibration.json").read_text())
+    assert all(p["tested"] > 50 and 0 <= p["ece"] <= 1 for p in report["positions"])
+    assert (drafter / "reliability.png").stat().st_size > 1000
+    from verispec.spec.dspark.checkpoint import load_dspark
+
+    assert load_dspark(drafter).config.confidence_threshold == config["confidence_threshold"]
+
+    evals = tmp_path / "eval"
+    evals.mkdir()
+    (evals / "gsm8k.jsonl").write_text("".join(json.dumps({"turns": [p["turns_text"]]}) + "\n" for p in lines[:4]))
+    assert main(["dspark", "measure", "--drafter", str(drafter), "-m", target, "--eval-dir", str(evals), "--datasets",
+                 "gsm8k", "--per-dataset", "3", "--max-tokens", "32", "--dtype", "float32", "--quiet",
+                 "--fixed-draft"]) == 0
+    measured = json.loads((drafter / "measure.json").read_text())
+    for row in measured["rows"]:
+        assert 1.0 < row["tau"] <= 5.0 and row["plain_tok_s"] > 0 and row["dspark_tok_s"] > 0
+        assert all(a is None or 0 <= a <= 1 for a in row["acceptance_by_position"])
+    assert (drafter / "report.md").read_text().count("| gsm8k |") == 2 and (drafter / "measure.png").is_file()
+
+    # the threshold rule itself: thin evidence never cuts, a clearly bad region does
+    assert fit_threshold([(0.1, False)] * 3, target=0.5, min_evidence=5) == 0.0
+    bad = [(0.1, False)] * 40 + [(0.9, True)] * 40
+    assert 0.1 < fit_threshold(bad, target=0.5, min_evidence=5) <= 0.9

@@ -35,7 +35,8 @@ KV_PER_TOKEN_FP32 = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M: layers x (K, V) x kv he
 @pytest.fixture(scope="module")
 def base_url(smollm2_folder, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "serve.log"
-    with live_server("-m", str(smollm2_folder), "--served-model-name", MODEL, "--dtype", "float32",
+    # --no-draft: these tests are about serving; speculation has its own (test_spec_real.py)
+    with live_server("-m", str(smollm2_folder), "--served-model-name", MODEL, "--dtype", "float32", "--no-draft",
                      "--api-key", KEY, "--max-batch", "8", log=log) as url:
         yield url
 
@@ -285,7 +286,7 @@ def test_kv_budget_queues_instead_of_overcommitting(smollm2_folder, tmp_path, to
     (seen in /stats), none fails, memory never exceeds the budget; a request that could never
     fit is a 400 that says why."""
     budget = 2 * 150 * KV_PER_TOKEN_FP32
-    with live_server("-m", str(smollm2_folder), "--served-model-name", MODEL, "--dtype", "float32",
+    with live_server("-m", str(smollm2_folder), "--served-model-name", MODEL, "--dtype", "float32", "--no-draft",
                      "--kv-budget", str(budget), log=tmp_path / "serve.log") as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
         results: list = [None] * 4

@@ -89,7 +89,7 @@ def test_served_speculation_reports_usage_and_changes_nothing(smollm2_folder, tm
     messages = [{"role": "user", "content": PROMPTS[0]}]
     args = ("-m", str(smollm2_folder), "--served-model-name", "m", "--dtype", "float32")
     outputs = {}
-    for name, extra in (("plain", ()), ("ngram", ("--speculate", "ngram"))):
+    for name, extra in (("plain", ("--no-draft",)), ("ngram", ("--speculate", "ngram"))):
         with live_server(*args, *extra, log=tmp_path / f"{name}.log") as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
             whole = client.chat.completions.create(model="m", messages=messages, max_tokens=80, temperature=0)

@@ -57,6 +57,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (lossless: the same tokens at temperature 0, the same distribution above)")
     g.add_argument("--speculate", choices=["ngram", "none"], default=None,
                    help="ngram: draft by prompt lookup (no weights; pays on edits, summaries, code); none: off")
+    g.add_argument("--no-draft", action="store_true",
+                   help="do not use the DSpark drafter that ships with an embedded model (the default model has one)")
     g.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="a DSpark drafter (DeepSpec-format folder or hub id, detected from its files), or a smaller "
                         "model with the same tokenizer (name, folder, .gguf or hub id)")

@@ -14,11 +14,13 @@ def add_dspark_parser(sub, epilog_formatter) -> None:
         "to continue where it stopped.",
         formatter_class=epilog_formatter,
         epilog="""\
-a whole run (the default model, into ./drafter-work):
-  verispec dspark datagen  --out work/answers.jsonl --limit 4000
-  verispec dspark features --data work/answers.jsonl --out work/features
-  verispec dspark train    --features work/features --out work/drafter
-  verispec dspark measure  --drafter work/drafter
+a whole run for the default model (each command can be stopped and rerun):
+  verispec dspark datagen   --out work/answers.jsonl --limit 3000
+  verispec dspark features  --data work/answers.jsonl --out work/features
+  verispec dspark train     --features work/features --out work/drafter
+  verispec dspark calibrate --drafter work/drafter/step_N
+  verispec dspark measure   --drafter work/drafter/step_N
+  verispec serve --draft-model work/drafter/step_N
 """,
     )
     stages = dspark.add_subparsers(dest="stage", metavar="STAGE")
@@ -81,6 +83,42 @@ a whole run (the default model, into ./drafter-work):
     tr.add_argument("--log-every", type=int, default=5)
     tr.add_argument("--threads", type=int, default=None)
 
+    cal = stages.add_parser("calibrate", help="fit per-position confidence thresholds on held-out live rounds",
+                            description="Decode held-out prompts live with full proposals; per draft position fit the "
+                            "confidence threshold below which drafts are (Laplace-smoothed) too rarely accepted; write "
+                            "them into the checkpoint's config; report ECE and a reliability diagram.")
+    cal.add_argument("--drafter", required=True, help="DSpark checkpoint folder (its config.json is updated)")
+    cal.add_argument("--model", "-m", default=None, help="target model (default: smollm2-135m-instruct)")
+    cal.add_argument("--prompts", default="sharegpt", help="'sharegpt' or a JSONL of prompts (default sharegpt)")
+    cal.add_argument("--skip", type=int, default=6000,
+                     help="skip this many prompts first (default 6000: past what datagen's default run used)")
+    cal.add_argument("--limit", type=int, default=48, help="held-out prompts (default 48)")
+    cal.add_argument("--max-tokens", type=int, default=192)
+    cal.add_argument("--max-prompt-tokens", type=int, default=512)
+    cal.add_argument("--target-acceptance", type=float, default=0.3,
+                     help="cut a position's drafts whose smoothed acceptance is below this (default 0.3)")
+    cal.add_argument("--min-evidence", type=int, default=30, help="never cut on fewer tested drafts (default 30)")
+    cal.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    cal.add_argument("--threads", type=int, default=None)
+    cal.add_argument("--quiet", action="store_true")
+
+    me = stages.add_parser("measure", help="tau, acceptance by position and speed vs plain decoding on the eval prompts",
+                           description="Live decoding of DeepSpec's eval prompts with and without the drafter in the "
+                           "same run: per dataset tau, conditional acceptance by position, decode tok/s; a markdown "
+                           "table and PNG plots.")
+    me.add_argument("--drafter", required=True, help="DSpark checkpoint folder")
+    me.add_argument("--model", "-m", default=None, help="target model (default: smollm2-135m-instruct)")
+    me.add_argument("--eval-dir", default=None, help="folder of mt-bench.jsonl, gsm8k.jsonl, ... (default: ../shared/eval-prompts)")
+    me.add_argument("--datasets", default="mt-bench,gsm8k,humaneval,mbpp")
+    me.add_argument("--per-dataset", type=int, default=12, help="prompts per dataset (default 12)")
+    me.add_argument("--temperatures", default="0,1", help="comma-separated (default 0,1)")
+    me.add_argument("--max-tokens", type=int, default=192)
+    me.add_argument("--fixed-draft", action="store_true", help="always draft a full block (no cost-based policy)")
+    me.add_argument("--out", default=None, help="report folder (default: the drafter's)")
+    me.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    me.add_argument("--threads", type=int, default=None)
+    me.add_argument("--quiet", action="store_true")
+
 
 def run_dspark(args) -> int:
     from verispec.errors import UserError
@@ -97,4 +135,12 @@ def run_dspark(args) -> int:
         from verispec.spec.dspark.train import run_train
 
         return run_train(args)
+    if args.stage == "calibrate":
+        from verispec.spec.dspark.calibrate import run_calibrate
+
+        return run_calibrate(args)
+    if args.stage == "measure":
+        from verispec.spec.dspark.measure import run_measure
+
+        return run_measure(args)
     raise UserError("choose a stage: verispec dspark {datagen,features,train,calibrate,measure} --help")

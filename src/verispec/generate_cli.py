@@ -79,7 +79,8 @@ def run_generate(args) -> int:
     max_new = check_context(len(prompt), args.max_tokens, loaded.model.args.max_position_embeddings)
 
     # the same engine as the server, driven inline for one request
-    drafter = build_drafter(loaded, args.speculate, args.draft_model, loaded.model.dtype, args.confidence_threshold)
+    drafter = build_drafter(loaded, args.speculate, args.draft_model, loaded.model.dtype, args.confidence_threshold,
+                            args.no_draft)
     engine = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, EngineConfig(max_rows=1, **spec_options),
                     drafter=drafter)
     tokens: list[TokenInfo] = []

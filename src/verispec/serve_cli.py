@@ -81,7 +81,8 @@ def run_serve(args) -> int:
     )
     spec = args.model or DEFAULT_MODEL
     loaded = load_model(spec, dtype=resolve_dtype(args.dtype))
-    drafter = build_drafter(loaded, args.speculate, args.draft_model, loaded.model.dtype, args.confidence_threshold)
+    drafter = build_drafter(loaded, args.speculate, args.draft_model, loaded.model.dtype, args.confidence_threshold,
+                            args.no_draft)
     engine = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, config, drafter=drafter)
     name = args.served_model_name or spec
     server_config = ServerConfig(

@@ -1,20 +1,43 @@
-"""From command-line choices to a draft provider (`--speculate`, `--draft-model`)."""
+"""From command-line choices to a draft provider (`--speculate`, `--draft-model`,
+`--no-draft`), and the drafters that ship with verispec for its embedded models."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from verispec.errors import UserError
 from verispec.spec.source import DraftProvider
 
 SPECULATE_CHOICES = ("ngram", "none")
+# embedded model -> its trained DSpark drafter, shipped in the package (README, "The default drafter")
+BUNDLED_DRAFTERS = {"smollm2-135m-instruct": Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-instruct"}
+
+
+def bundled_drafter(target) -> Path | None:
+    """The shipped drafter for this target, if it is an embedded model that has one."""
+    from verispec.models import registry
+
+    for name, folder in BUNDLED_DRAFTERS.items():
+        same = target.name == name or Path(target.folder).resolve() == registry._model_folder(name).resolve()
+        if same and (folder / "config.json").is_file():
+            return folder
+    return None
 
 
 def build_drafter(target, speculate: str | None, draft_model: str | None, dtype,
-                  confidence_threshold: float | None = None) -> DraftProvider | None:
-    """`target` is the LoadedModel being served. None: no speculation."""
+                  confidence_threshold: float | None = None, no_draft: bool = False) -> DraftProvider | None:
+    """`target` is the LoadedModel being served. None: no speculation. With no choice made,
+    an embedded model's shipped drafter is used (`no_draft` turns that off)."""
+    if no_draft and (draft_model or speculate not in (None, "none")):
+        raise UserError("--no-draft turns speculation off; it cannot go with --speculate or --draft-model")
     if draft_model and speculate not in (None, "none"):
         raise UserError("choose one of --speculate and --draft-model")
     if draft_model:
         return load_drafter(target, draft_model, dtype, confidence_threshold)
+    if speculate is None and not no_draft:
+        shipped = bundled_drafter(target)
+        if shipped is not None:
+            return load_drafter(target, str(shipped), dtype, confidence_threshold)
     if speculate in (None, "none"):
         return None
     if speculate == "ngram":

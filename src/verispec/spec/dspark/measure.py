@@ -1,0 +1,167 @@
+"""`verispec dspark measure`: what a drafter does live, on the eval prompts.
+
+For each dataset of DeepSpec's eval prompts (`../shared/eval-prompts`: mt-bench, gsm8k,
+humaneval, mbpp; `{"turns": [...]}`, `turns[0]` as the single user message through the
+chat template) and each temperature (0 and 1 by default), every prompt is decoded twice in
+the same run, interleaved: plainly, and with the drafter (the serving defaults: the
+cost-based draft length and the checkpoint's confidence thresholds). Reported per dataset:
+tau (tokens per target forward, the bonus token included), the conditional acceptance at
+each draft position (P(draft j accepted | drafts before it accepted), over the slots the
+target tested), and decode tok/s of both (tokens after the first / time after the first,
+one request at a time) with their ratio; a markdown table (report.md) and PNG plots
+(acceptance by position, tau by dataset). These prompts are for measuring only.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+DATASETS = ("mt-bench", "gsm8k", "humaneval", "mbpp")
+
+
+def default_eval_dir() -> Path | None:
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        candidate = parent / "shared" / "eval-prompts"
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def load_eval(folder: Path, name: str, count: int) -> list[str]:
+    path = folder / f"{name}.jsonl"
+    if not path.is_file():
+        from verispec.errors import UserError
+
+        raise UserError(f"no eval dataset {path}")
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [r["turns"][0] for r in rows[:count]]
+
+
+def run_measure(args) -> int:
+    import torch
+    from tqdm.auto import tqdm
+
+    from verispec.engine.sampling import SamplingParams
+    from verispec.errors import UserError
+    from verispec.models.loader import load_model, resolve_dtype
+    from verispec.models.registry import DEFAULT_MODEL
+    from verispec.models.tokenizer import encode_chat
+    from verispec.spec.dspark.checkpoint import load_dspark
+    from verispec.spec.dspark.live import make_engine, run_live
+    from verispec.spec.dspark.source import DSparkProvider
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    eval_dir = Path(args.eval_dir) if args.eval_dir else default_eval_dir()
+    if eval_dir is None or not eval_dir.is_dir():
+        raise UserError("no eval prompts found: pass --eval-dir (a folder of mt-bench.jsonl, gsm8k.jsonl, ...)")
+    loaded = load_model(args.model or DEFAULT_MODEL, dtype=resolve_dtype(args.dtype))
+    drafter = load_dspark(Path(args.drafter), target=loaded, dtype=loaded.model.dtype)
+    g = drafter.block_size
+    plain = make_engine(loaded)
+    spec = make_engine(loaded, DSparkProvider(drafter), adaptive=not args.fixed_draft, num_draft_tokens=g)
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    datasets = args.datasets.split(",")
+    rows = []
+    jobs = [(t, d, p) for t in temperatures for d in datasets for p in load_eval(eval_dir, d, args.per_dataset)]
+    stats: dict = {}
+    with tqdm(total=len(jobs), desc="measure", unit="prompt", file=sys.stderr, disable=args.quiet) as bar:
+        for i, (temperature, dataset, text) in enumerate(jobs):
+            ids = encode_chat(loaded.tokenizer, [{"role": "user", "content": text}])
+            params = SamplingParams(temperature=temperature, seed=i) if temperature > 0 else SamplingParams()
+            s = stats.setdefault((temperature, dataset), {"plain_tok": 0, "plain_s": 0.0, "spec_tok": 0, "spec_s": 0.0,
+                                                          "emitted": 0, "rounds": 0, "reached": [0] * g, "kept": [0] * g,
+                                                          "prompts": 0})
+            a = run_live(plain, ids, args.max_tokens, params)
+            b = run_live(spec, ids, args.max_tokens, params, loaded.stop_ids)
+            s["plain_tok"] += a.tokens
+            s["plain_s"] += a.decode_s
+            s["spec_tok"] += b.tokens
+            s["spec_s"] += b.decode_s
+            s["prompts"] += 1
+            if b.speculation:
+                s["rounds"] += b.speculation["rounds"]
+                s["emitted"] += b.speculation["mean_accepted_length"] * b.speculation["rounds"]
+            for r in b.rounds:
+                for j in range(min(r.proposal_len, g)):
+                    if j > r.accepted:
+                        break
+                    s["reached"][j] += 1
+                    s["kept"][j] += j < r.accepted
+            bar.update(1)
+    for (temperature, dataset), s in stats.items():
+        plain_tps = s["plain_tok"] / s["plain_s"] if s["plain_s"] else 0.0
+        spec_tps = s["spec_tok"] / s["spec_s"] if s["spec_s"] else 0.0
+        rows.append({
+            "dataset": dataset, "temperature": temperature, "prompts": s["prompts"],
+            "tau": round(s["emitted"] / s["rounds"], 3) if s["rounds"] else 1.0,
+            "acceptance_by_position": [round(k / r, 3) if r else None for k, r in zip(s["kept"], s["reached"])],
+            "plain_tok_s": round(plain_tps, 1), "dspark_tok_s": round(spec_tps, 1),
+            "speedup": round(spec_tps / plain_tps, 3) if plain_tps else None,
+        })
+    summary = {}
+    for temperature in temperatures:
+        mine = [r for r in rows if r["temperature"] == temperature]
+        summary[str(temperature)] = {"tau_macro": round(sum(r["tau"] for r in mine) / len(mine), 3),
+                                     "speedup_macro": round(sum(r["speedup"] or 0 for r in mine) / len(mine), 3)}
+    report = _markdown(rows, summary, args, g)
+    out = Path(args.out) if args.out else Path(args.drafter)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(report)
+    (out / "measure.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
+    _plot(rows, temperatures, out)
+    print(report)
+    print(json.dumps({"bench": "dspark_measure", "drafter": str(args.drafter), "max_tokens": args.max_tokens,
+                      "per_dataset": args.per_dataset, "rows": rows, "summary": summary}))
+    return 0
+
+
+def _markdown(rows, summary, args, g) -> str:
+    lines = [f"DSpark drafter {args.drafter}: {args.per_dataset} prompts per dataset, max_tokens {args.max_tokens}, "
+             f"one request at a time, plain and DSpark interleaved in the same run", "",
+             "| dataset | T | tau | " + " | ".join(f"acc@{j + 1}" for j in range(g))
+             + " | plain tok/s | DSpark tok/s | speedup |",
+             "|---|---|---|" + "---|" * g + "---|---|---|"]
+    for r in rows:
+        acc = " | ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_by_position"])
+        lines.append(f"| {r['dataset']} | {r['temperature']:g} | {r['tau']:.2f} | {acc} | {r['plain_tok_s']:.1f} | "
+                     f"{r['dspark_tok_s']:.1f} | {r['speedup']:.2f}x |")
+    lines.append("")
+    for t, s in summary.items():
+        lines.append(f"T={float(t):g}: macro tau {s['tau_macro']:.2f}, macro speedup {s['speedup_macro']:.2f}x")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(rows, temperatures, out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in rows:
+        acc = [a if a is not None else float("nan") for a in r["acceptance_by_position"]]
+        axes[0].plot(range(1, len(acc) + 1), acc, marker="o",
+                     linestyle="-" if r["temperature"] == 0 else "--", label=f"{r['dataset']} T={r['temperature']:g}")
+    axes[0].set_xlabel("draft position")
+    axes[0].set_ylabel("P(accepted | earlier drafts accepted)")
+    axes[0].set_title("acceptance by position")
+    axes[0].set_ylim(0, 1)
+    axes[0].legend(fontsize=7)
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    width = 0.8 / len(temperatures)
+    for k, t in enumerate(temperatures):
+        taus = [next((r["tau"] for r in rows if r["dataset"] == d and r["temperature"] == t), 0) for d in datasets]
+        axes[1].bar([i + k * width for i in range(len(datasets))], taus, width, label=f"T={t:g}")
+    axes[1].set_xticks([i + width * (len(temperatures) - 1) / 2 for i in range(len(datasets))], datasets)
+    axes[1].set_ylabel("tau (tokens per target forward)")
+    axes[1].set_title("tau by dataset")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(out / "measure.png", dpi=100)
+    plt.close(fig)
