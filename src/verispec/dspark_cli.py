@@ -33,6 +33,7 @@ a whole run for the default model (each command can be stopped and rerun):
                           "with prompt / turns / messages per line")
     gen.add_argument("--out", required=True, help="output JSONL (appended to; existing records are skipped)")
     gen.add_argument("--limit", type=int, default=None, help="use at most this many prompts")
+    gen.add_argument("--skip", type=int, default=0, help="skip this many prompts first (default 0)")
     gen.add_argument("--max-tokens", type=int, default=384, help="longest answer (default 384)")
     gen.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts (default 512)")
     gen.add_argument("--temperature", type=float, default=0.7)
@@ -42,6 +43,9 @@ a whole run for the default model (each command can be stopped and rerun):
     gen.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     gen.add_argument("--threads", type=int, default=None)
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    gen.add_argument("--dataset-answers", action="store_true",
+                     help="instead of regenerating, take ShareGPT's own first answers (teacher-forced volume, no "
+                          "generation)")
 
     feat = stages.add_parser("features", help="the target's hidden states for training, cached on disk",
                              description="Teacher-forced target forwards over prompt + answer: tapped hidden states, "
@@ -59,7 +63,8 @@ a whole run for the default model (each command can be stopped and rerun):
                            description="Train a drafter: 0.1 CE + 0.9 L1 + 1.0 BCE, AdamW, warm-up + cosine, gradient "
                            "clipping; checkpoints in DeepSpec's format; rerun to resume. Under torchrun: "
                            "DistributedDataParallel (gloo on CPU).")
-    tr.add_argument("--features", required=True, help="features folder (verispec dspark features)")
+    tr.add_argument("--features", required=True,
+                    help="features folder (verispec dspark features); several, comma-separated, are mixed")
     tr.add_argument("--out", required=True, help="checkpoint folder (resumed if it has a checkpoint)")
     tr.add_argument("--layers", type=int, default=1, help="draft layers (default 1)")
     tr.add_argument("--block-size", type=int, default=7, help="gamma: tokens per proposal (default 7)")
@@ -68,14 +73,18 @@ a whole run for the default model (each command can be stopped and rerun):
     tr.add_argument("--draft-vocab", type=int, default=16384,
                     help="draft head over the N most frequent answer tokens (default 16384; 0 = the full vocabulary)")
     tr.add_argument("--mask-token-id", type=int, default=16, help="an id the target never produces (default 16)")
-    tr.add_argument("--anchors", type=int, default=96, help="anchor blocks per sequence (default 96)")
+    tr.add_argument("--anchors", type=int, default=48, help="anchor blocks per sequence (default 48)")
     tr.add_argument("--batch", type=int, default=16, help="sequences per optimizer step, all ranks (default 16)")
     tr.add_argument("--epochs", type=int, default=3)
     tr.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: --epochs)")
     tr.add_argument("--lr", type=float, default=6e-4)
     tr.add_argument("--clip", type=float, default=1.0)
-    tr.add_argument("--bf16", action="store_true", help="forward under bf16 autocast (float32 master weights)")
+    tr.add_argument("--fp32", action="store_true",
+                    help="forward in float32 (default: bf16 autocast with float32 master weights, 2x faster here)")
     tr.add_argument("--seed", type=int, default=42)
+    tr.add_argument("--holdout", type=int, default=0,
+                    help="keep the last N sequences of the first --features folder out of training and report "
+                         "teacher-forced acceptance on them at every checkpoint (validation.jsonl)")
     tr.add_argument("--save-every", type=int, default=50)
     tr.add_argument("--max-minutes", type=float, default=None,
                     help="save and stop after this much time (rerun the same command to continue)")

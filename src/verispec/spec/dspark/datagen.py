@@ -35,6 +35,57 @@ def prompt_id(text: str) -> str:
     return hashlib.sha1(text.encode("utf-8")).hexdigest()[:16]
 
 
+def dataset_answers(limit: int | None, skip: int = 0) -> Iterator[tuple[str, str]]:
+    """(first user turn, the dataset's own first answer) pairs from ShareGPT, in the same
+    order as `read_prompts("sharegpt")`: teacher-forced volume that needs no generation."""
+    from verispec.data.sharegpt import conversations
+
+    seen = set()
+    count = 0
+    for conv in conversations():
+        turns = conv.get("conversations") or []
+        if len(turns) < 2 or turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
+            continue
+        prompt, answer = (turns[0].get("value") or "").strip(), (turns[1].get("value") or "").strip()
+        if len(prompt) < 8 or not answer or prompt in seen:
+            continue
+        seen.add(prompt)
+        count += 1
+        if count <= skip:
+            continue
+        yield prompt, answer
+        if limit is not None and count >= skip + limit:
+            return
+
+
+def run_dataset_answers(args, loaded, out: Path, done: set) -> int:
+    """`--dataset-answers`: records whose answers are ShareGPT's own (no generation)."""
+    from verispec.models.tokenizer import encode_chat
+
+    tokenizer = loaded.tokenizer
+    eos = tokenizer.eos_token_id
+    written = tokens = 0
+    with out.open("a", encoding="utf-8") as f:
+        for prompt, answer in dataset_answers(args.limit, args.skip):
+            key = prompt_id(prompt)
+            if key in done:
+                continue
+            prompt_ids = encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+            answer_ids = tokenizer.encode(answer, add_special_tokens=False)[: args.max_tokens]
+            if len(prompt_ids) > args.max_prompt_tokens:
+                continue
+            if eos is not None and len(answer_ids) < args.max_tokens:
+                answer_ids.append(eos)
+            record = {"id": key, "source": "sharegpt-answers", "prompt": prompt, "prompt_ids": prompt_ids,
+                      "answer_ids": answer_ids, "answer": answer, "finish_reason": "dataset"}
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            written += 1
+            tokens += len(answer_ids)
+    print(f"datagen: wrote {written} records with ShareGPT's own answers, {tokens} answer tokens -> {out}",
+          file=sys.stderr)
+    return 0
+
+
 def read_prompts(source: str, limit: int | None, skip: int = 0) -> Iterator[tuple[str, str]]:
     """(source name, prompt text) pairs: 'sharegpt' or a JSONL file whose lines have
     "prompt", "turns" ([first, ...]) or "messages" / "conversations" (first user turn)."""
@@ -88,7 +139,8 @@ def done_ids(out: Path) -> set[str]:
     if data and not data.endswith(b"\n"):
         data = data[: data.rfind(b"\n") + 1]
         out.write_bytes(data)
-    return {json.loads(line)["id"] for line in data.decode("utf-8").splitlines() if line.strip()}
+    # split on "\n" only: answers may hold U+2028 and friends, which str.splitlines() splits on
+    return {json.loads(line)["id"] for line in data.decode("utf-8").split("\n") if line.strip()}
 
 
 def run_datagen(args) -> int:
@@ -105,9 +157,14 @@ def run_datagen(args) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = done_ids(out)
+    if args.dataset_answers:
+        if args.prompts != "sharegpt":
+            raise UserError("--dataset-answers takes ShareGPT's own answers; it cannot go with --prompts FILE")
+        loaded = load_model(args.model or DEFAULT_MODEL, dtype=resolve_dtype(args.dtype))
+        return run_dataset_answers(args, loaded, out, done)
     seen = set(done)
     todo = []
-    for source, text in read_prompts(args.prompts, args.limit):
+    for source, text in read_prompts(args.prompts, args.limit, args.skip):
         key = prompt_id(text)
         if key not in seen:
             seen.add(key)

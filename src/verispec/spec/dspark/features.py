@@ -49,10 +49,16 @@ def default_taps(num_layers: int, count: int = 5) -> list[int]:
 
 def read_records(path: Path, min_loss_tokens: int = 14) -> list[dict]:
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    lines = path.read_text(encoding="utf-8").split("\n")
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        r = json.loads(line)
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # a line torn by an interrupted datagen; it reruns that prompt
+                break
+            raise UserError(f"{path}:{number}: not a datagen record") from None
         if len(r.get("answer_ids", [])) >= min_loss_tokens:  # DeepSpec's min_loss_tokens
             records.append(r)
     return records
@@ -163,27 +169,37 @@ class Sample:
 
 
 class FeatureCache:
-    """Random access to the samples of a features folder (memory-mapped shards)."""
+    """Random access to the samples of one or more features folders (memory-mapped shards;
+    several folders must hold features of the same target and taps, and are mixed)."""
 
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
-        self.manifest = load_manifest(self.folder)
-        if self.manifest is None:
-            raise UserError(f"{folder}: no {MANIFEST} (run `verispec dspark features` first)")
-        self.index = []  # (shard, start, end)
+    def __init__(self, folders):
+        folders = [Path(f) for f in (folders if isinstance(folders, (list, tuple)) else [folders])]
+        self.index = []  # (shard path, start, end)
+        self.folder_ranges = []  # [start, end) of each folder's samples in the index
         self._files = {}
-        for shard in self.manifest["shards"]:
-            with safe_open(str(self.folder / shard["file"]), "pt") as f:
-                offsets = f.get_tensor("offsets").tolist()
-            self.index.extend((shard["file"], a, b) for a, b in zip(offsets, offsets[1:]))
+        self.manifest = None
+        for folder in folders:
+            manifest = load_manifest(folder)
+            if manifest is None:
+                raise UserError(f"{folder}: no {MANIFEST} (run `verispec dspark features` first)")
+            if self.manifest is not None and (manifest["target_layer_ids"] != self.manifest["target_layer_ids"]
+                                              or manifest["target"] != self.manifest["target"]):
+                raise UserError(f"{folder} holds features of another target or other taps than {folders[0]}")
+            self.manifest = self.manifest or manifest
+            first = len(self.index)
+            for shard in manifest["shards"]:
+                with safe_open(str(folder / shard["file"]), "pt") as f:
+                    offsets = f.get_tensor("offsets").tolist()
+                self.index.extend((folder / shard["file"], a, b) for a, b in zip(offsets, offsets[1:]))
+            self.folder_ranges.append((first, len(self.index)))
 
     def __len__(self) -> int:
         return len(self.index)
 
-    def _open(self, name: str):
-        handle = self._files.get(name)
+    def _open(self, path: Path):
+        handle = self._files.get(path)
         if handle is None:
-            handle = self._files[name] = safe_open(str(self.folder / name), "pt")
+            handle = self._files[path] = safe_open(str(path), "pt")
         return handle
 
     def __getitem__(self, i: int) -> Sample:

@@ -38,9 +38,25 @@ class MarkovHead(nn.Module):
     def initial_state(self, leading: tuple[int, ...], like: torch.Tensor) -> torch.Tensor | None:
         return None
 
+    def latent(self, prev_emb: torch.Tensor, h: torch.Tensor, state):
+        """(z, next state) for one block slot; the slot's bias is markov_w2(z)."""
+        return prev_emb, state
+
     def step(self, prev_emb: torch.Tensor, h: torch.Tensor, state):
         """(bias over the draft vocabulary, next state) for one block slot."""
-        return self.markov_w2(prev_emb), state
+        z, state = self.latent(prev_emb, h, state)
+        return self.markov_w2(z), state
+
+    def block_bias(self, prev_emb: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Teacher forcing (training): every slot's bias at once, [..., gamma, V_out] from
+        prev_emb [..., gamma, r] and h [..., gamma, H]; the (small) recurrence runs slot by
+        slot, the projection to the vocabulary once."""
+        state = self.initial_state(prev_emb.shape[:-2], h)
+        latents = []
+        for j in range(prev_emb.shape[-2]):
+            z, state = self.latent(prev_emb[..., j, :], h[..., j, :], state)
+            latents.append(z)
+        return self.markov_w2(torch.stack(latents, dim=-2))
 
 
 class GatedMarkovHead(MarkovHead):
@@ -50,9 +66,9 @@ class GatedMarkovHead(MarkovHead):
         super().__init__(vocab_size, rank, out_size, hidden_size)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
-    def step(self, prev_emb, h, state):
+    def latent(self, prev_emb, h, state):
         gate = torch.sigmoid(self.gate_proj(torch.cat([h, prev_emb.to(h.dtype)], dim=-1))).to(prev_emb.dtype)
-        return self.markov_w2(gate * prev_emb), state
+        return gate * prev_emb, state
 
 
 class RNNHead(MarkovHead):
@@ -65,11 +81,11 @@ class RNNHead(MarkovHead):
     def initial_state(self, leading, like):
         return torch.zeros(*leading, self.rank, dtype=like.dtype, device=like.device)
 
-    def step(self, prev_emb, h, state):
+    def latent(self, prev_emb, h, state):
         gate, candidate, output = self.joint_proj(torch.cat([state, prev_emb.to(h.dtype), h], dim=-1)).chunk(3, dim=-1)
         gate = torch.sigmoid(gate)
         new_state = gate * state + (1.0 - gate) * torch.tanh(candidate)
-        return self.markov_w2(torch.tanh(output).to(prev_emb.dtype)), new_state
+        return torch.tanh(output).to(prev_emb.dtype), new_state
 
 
 HEADS = {"vanilla": MarkovHead, "gated": GatedMarkovHead, "rnn": RNNHead}

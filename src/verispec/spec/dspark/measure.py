@@ -36,7 +36,7 @@ def load_eval(folder: Path, name: str, count: int) -> list[str]:
         from verispec.errors import UserError
 
         raise UserError(f"no eval dataset {path}")
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
     return [r["turns"][0] for r in rows[:count]]
 
 

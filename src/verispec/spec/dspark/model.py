@@ -275,12 +275,7 @@ class DSparkDrafter(nn.Module):
         confidence = None
         if self.markov_head is not None:
             prev_emb = self.markov_head.prev_embedding(prev_ids)
-            state = self.markov_head.initial_state((B, A), h)
-            steps = []
-            for j in range(g):
-                bias, state = self.markov_head.step(prev_emb[:, :, j], h[:, :, j], state)
-                steps.append(logits[:, :, j] + bias)
-            logits = torch.stack(steps, dim=2)
+            logits = logits + self.markov_head.block_bias(prev_emb, h)
             confidence = self.confidence(h, prev_emb)
         else:
             confidence = self.confidence(h, None)

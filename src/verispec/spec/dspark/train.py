@@ -9,8 +9,8 @@
   and its first label are answer tokens); the loss is 0.1 CE + 0.9 L1 + 1.0 BCE with
   exp(-j/4) position weights (loss.py), as weighted means over the whole global batch.
 * AdamW (lr 6e-4, no weight decay), linear warm-up over 4% of the steps then cosine to 0,
-  gradient clipping at 1.0, float32 master weights; `--bf16` runs the forward under bf16
-  autocast (measured on this CPU: see README).
+  gradient clipping at 1.0, float32 master weights, the forward under bf16 autocast
+  (`--fp32` turns it off; on this CPU a step of 16 sequences took 1.8 s against 3.6 s).
 * Data order: a permutation per epoch (seed + epoch); a global batch of `--batch`
   sequences is split across ranks (rank r takes every world-size-th) and processed one
   sequence per micro-step. Anchors depend only on (seed, epoch, sample), and every
@@ -47,15 +47,18 @@ from verispec.spec.dspark.loss import dspark_loss, weight_sums
 STATE = "trainer/state.safetensors"  # a subfolder: the model folder itself holds only the model
 
 
-def draft_vocabulary(cache, size: int, always=()) -> torch.Tensor:
-    """The `size` most frequent answer tokens of the cache (and `always`), sorted ids."""
+def draft_vocabulary(cache, size: int, always=()) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent answer tokens of the cache (and `always`), sorted ids, and
+    the share of answer tokens they cover."""
     counts = Counter()
     for i in range(len(cache)):
         s = cache[i]
         counts.update(s.input_ids[s.loss_mask > 0.5].tolist())
-    chosen = {t for t, _ in counts.most_common(size)} | {int(t) for t in always}
-    ranked = sorted(chosen, key=lambda t: -counts.get(t, 0))[:max(size, len(always))]
-    return torch.tensor(sorted(set(ranked) | {int(t) for t in always}), dtype=torch.long)
+    must = {int(t) for t in always}
+    chosen = [t for t, _ in counts.most_common(size) if t not in must][: size - len(must)]
+    ids = sorted(set(chosen) | must)
+    coverage = sum(counts[t] for t in ids) / max(1, sum(counts.values()))
+    return torch.tensor(ids, dtype=torch.long), coverage
 
 
 def init_drafter(drafter, target_folder: Path, std: float, seed: int) -> None:
@@ -145,7 +148,7 @@ def run_train(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     world = Distributed()
-    cache = FeatureCache(Path(args.features))
+    cache = FeatureCache([Path(f) for f in args.features.split(",")])
     manifest = cache.manifest
     out = Path(args.out)
     if world.main:
@@ -160,7 +163,11 @@ def run_train(args) -> int:
         vocab = None
         if args.draft_vocab and args.draft_vocab < manifest["vocab_size"]:
             eos = target_config.get("eos_token_id")
-            vocab = draft_vocabulary(cache, args.draft_vocab, always=[eos] if isinstance(eos, int) else (eos or []))
+            vocab, coverage = draft_vocabulary(cache, args.draft_vocab,
+                                               always=[eos] if isinstance(eos, int) else (eos or []))
+            if world.main:
+                print(f"train: draft vocabulary of {len(vocab)} tokens covers {coverage:.1%} of the answer tokens",
+                      file=sys.stderr)
         config = DSparkConfig.from_target(
             target_config, num_draft_layers=args.layers, block_size=args.block_size,
             target_layer_ids=manifest["target_layer_ids"], mask_token_id=args.mask_token_id,
@@ -186,7 +193,13 @@ def run_train(args) -> int:
         model = DistributedDataParallel(drafter)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
-    steps_per_epoch = len(cache) // args.batch
+    # held-out sequences: the last of the FIRST features folder (the regenerated answers, what
+    # the drafter meets when serving), whatever else is mixed in
+    end_first = cache.folder_ranges[0][1]
+    holdout = list(range(end_first - args.holdout, end_first)) if args.holdout else []
+    held = set(holdout)
+    train_ids = [i for i in range(len(cache)) if i not in held]
+    steps_per_epoch = len(train_ids) // args.batch
     if steps_per_epoch == 0:
         raise UserError(f"{len(cache)} sequences do not make one global batch of {args.batch}")
     total = args.steps or steps_per_epoch * args.epochs
@@ -199,11 +212,12 @@ def run_train(args) -> int:
         print(f"train: {len(cache)} sequences, {total} steps of {args.batch} (world {world.world}), "
               f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, starting at step {step}",
               file=sys.stderr)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if args.bf16 else _null()
+    autocast = _null() if args.fp32 else torch.autocast(torch.device(drafter.device).type, dtype=torch.bfloat16)
     deadline = time.monotonic() + args.max_minutes * 60 if args.max_minutes else None
     while step < total:
         epoch, within = divmod(step, steps_per_epoch)
-        order = torch.randperm(len(cache), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
+        order = [train_ids[i] for i in
+                 torch.randperm(len(train_ids), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()]
         batch = order[within * args.batch : (within + 1) * args.batch]
         mine = batch[world.rank :: world.world]
         t0 = time.perf_counter()
@@ -258,6 +272,12 @@ def run_train(args) -> int:
         if step % args.save_every == 0 or step == total or stop:
             if world.main:
                 _save(drafter, optimizer, params, out, step)
+                if holdout:
+                    val = validate(drafter, cache, holdout, target_head, args.anchors, vocab_ids, args.seed)
+                    with (out / "validation.jsonl").open("a") as f:
+                        f.write(json.dumps({"step": step, **val}) + "\n")
+                    print(f"validation at step {step}: teacher-forced acceptance {val['accept_by_position']} "
+                          f"tau {val['tau_probabilistic']:.3f}", file=sys.stderr, flush=True)
                 _plot(metrics_path, out / "curves.png")
             world.barrier()
         if stop:
@@ -266,6 +286,32 @@ def run_train(args) -> int:
             break
     world.close()
     return 0
+
+
+@torch.no_grad()
+def validate(drafter, cache, indices, target_head, anchors: int, vocab_ids, seed: int) -> dict:
+    """Teacher-forced acceptance on held-out sequences (fixed anchors): mean c* per slot and
+    tau_probabilistic, the loss module's analytic acceptance at temperature 1."""
+    from verispec.spec.dspark.model import sample_anchors
+
+    was_training = drafter.training
+    drafter.eval()
+    accept, weight, taus = None, 0.0, []
+    for index in indices:
+        sample = cache[index]
+        a, keep = sample_anchors(sample.loss_mask, anchors, torch.Generator().manual_seed(seed + index))
+        out = drafter.forward_train(sample.input_ids[None], sample.taps[None], sample.loss_mask[None], a[None],
+                                    keep[None], sample.last_hidden[None], target_head, sample.lse[None])
+        terms = dspark_loss(out, draft_vocab_ids=vocab_ids)
+        n = float(out.eval_mask.sum())
+        rates = torch.tensor(terms.accept_rate_by_position)
+        accept = rates * n if accept is None else accept + rates * n
+        weight += n
+        if terms.tau_probabilistic == terms.tau_probabilistic:
+            taus.append(terms.tau_probabilistic)
+    drafter.train(was_training)
+    return {"accept_by_position": [round(float(x), 4) for x in accept / max(weight, 1)],
+            "tau_probabilistic": sum(taus) / max(len(taus), 1), "sequences": len(indices)}
 
 
 def _record(step, epoch, lr, grad_norm, totals, world, tokens, seconds) -> dict:
