@@ -33,8 +33,13 @@ def features(tmp_path_factory):
     lines = [json.loads(line) for line in (ORACLE / "prompts.jsonl").read_text().splitlines()]
     prompts.write_text("".join(json.dumps({"prompt": p["turns_text"]}) + "\n" for p in lines))
     target = str(ORACLE / "target")
+    # out of time before the first prompt: nothing written, and the next run does the work
+    assert main(["dspark", "datagen", "-m", target, "--prompts", str(prompts), "--out", str(work / "answers.jsonl"),
+                 "--max-tokens", "48", "--dtype", "float32", "--quiet", "--max-minutes", "1e-9"]) == 0
+    assert (work / "answers.jsonl").read_text() == ""
     assert main(["dspark", "datagen", "-m", target, "--prompts", str(prompts), "--out", str(work / "answers.jsonl"),
                  "--max-tokens", "48", "--dtype", "float32", "--quiet"]) == 0
+    assert len((work / "answers.jsonl").read_text().splitlines()) == len(lines)
     # resumable: a second run finds everything done and writes nothing new
     before = (work / "answers.jsonl").read_text()
     assert main(["dspark", "datagen", "-m", target, "--prompts", str(prompts), "--out", str(work / "answers.jsonl"),
@@ -49,7 +54,7 @@ def _weights(folder: Path) -> dict:
     return {k: v for k, v in load_file(str(folder / "trainer" / "state.safetensors")).items() if k.startswith("param.")}
 
 
-def test_training_lowers_the_loss_and_the_checkpoint_serves(features, tmp_path):
+def test_training_lowers_the_loss_and_the_checkpoint_serves(features, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["dspark", "train", "--features", str(features), "--out", str(out), *TRAIN, "--steps", "80",
                  "--lr", "3e-3", "--save-every", "80"]) == 0
@@ -63,6 +68,16 @@ def test_training_lowers_the_loss_and_the_checkpoint_serves(features, tmp_path):
     target = load_model(str(ORACLE / "target"), dtype=torch.float32)
     drafter = load_dspark(out / (out / "latest").read_text().strip(), target=target)
     assert drafter.config.block_size == 4 and drafter.config.target_layer_ids == [0, 2, 4]
+    # the run folder stands for its newest checkpoint, and that drafter changes no greedy token
+    text = json.loads((ORACLE / "prompts.jsonl").read_text().splitlines()[0])["turns_text"]
+    prompt = ["--max-tokens", "24", "--temperature", "0", "--dtype", "float32", "-m",
+              str(ORACLE / "target"), "--raw", text]
+    capsys.readouterr()
+    assert main(["generate", *prompt, "--no-draft"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["generate", *prompt, "--draft-model", str(out)]) == 0
+    drafted = capsys.readouterr()
+    assert drafted.out == plain and "drafts accepted" in drafted.err
 
 
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(features, tmp_path):

@@ -54,7 +54,10 @@ def load_drafter(target, spec: str, dtype, confidence_threshold: float | None = 
     from verispec.spec.dspark.checkpoint import draft_kind
     from verispec.spec.dspark.config import DraftCheckpointError
 
-    folder = resolve_model(spec)
+    from verispec.spec.dspark.checkpoint import newest_checkpoint
+
+    run = Path(spec).expanduser()  # a training run folder means its newest checkpoint
+    folder = resolve_model(str(newest_checkpoint(run)) if run.is_dir() else spec)
     try:
         kind = draft_kind(folder)
         if kind == "dspark":

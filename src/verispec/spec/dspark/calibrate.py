@@ -66,14 +66,14 @@ def run_calibrate(args) -> int:
     from verispec.models.loader import load_model, resolve_dtype
     from verispec.models.registry import DEFAULT_MODEL
     from verispec.models.tokenizer import encode_chat
-    from verispec.spec.dspark.checkpoint import load_dspark
+    from verispec.spec.dspark.checkpoint import load_dspark, newest_checkpoint
     from verispec.spec.dspark.datagen import read_prompts
     from verispec.spec.dspark.live import make_engine, run_live
     from verispec.spec.dspark.source import DSparkProvider
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    folder = Path(args.drafter)
+    folder = newest_checkpoint(Path(args.drafter))
     loaded = load_model(args.model or DEFAULT_MODEL, dtype=resolve_dtype(args.dtype))
     drafter = load_dspark(folder, target=loaded, dtype=loaded.model.dtype)
     provider = DSparkProvider(drafter, confidence_threshold=0.0)

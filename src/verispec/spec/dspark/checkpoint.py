@@ -31,6 +31,18 @@ from verispec.spec.dspark.model import DSparkDrafter
 FROZEN = ("embed_tokens.weight", "lm_head.weight")
 
 
+def newest_checkpoint(folder: Path) -> Path:
+    """A `verispec dspark train` run folder stands for its newest checkpoint (the one its
+    `latest` file names); any other folder is itself."""
+    folder = Path(folder)
+    pointer = folder / "latest"
+    if not (folder / "config.json").is_file() and pointer.is_file():
+        newest = folder / pointer.read_text().strip()
+        if (newest / "config.json").is_file():
+            return newest
+    return folder
+
+
 def draft_kind(folder: Path) -> str:
     """'dspark' or 'model' for a resolved model folder; DraftCheckpointError otherwise."""
     config = read_config(Path(folder))

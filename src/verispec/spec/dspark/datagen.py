@@ -183,9 +183,14 @@ def run_datagen(args) -> int:
     in_flight = 0
     tokens = written = 0
     start = time.perf_counter()
+    deadline = start + args.max_minutes * 60 if args.max_minutes else None
+    stopped_early = False
     with out.open("a", encoding="utf-8") as f, tqdm(total=len(todo), unit="answer", desc="datagen",
                                                     file=sys.stderr, disable=args.quiet) as bar:
         while True:
+            if deadline is not None and not stopped_early and time.perf_counter() > deadline:
+                stopped_early = True  # submit nothing more; the rows in flight finish and are written
+                pending = iter(())
             while in_flight < 2 * args.batch:
                 item = next(pending, None)
                 if item is None:
@@ -220,6 +225,9 @@ def run_datagen(args) -> int:
             finished.clear()
     print(f"datagen: wrote {written} records, {tokens} answer tokens in {time.perf_counter() - start:.0f} s -> {out}",
           file=sys.stderr)
+    if stopped_early:
+        print(f"datagen: stopped after --max-minutes {args.max_minutes:g}; rerun the same command to continue",
+              file=sys.stderr)
     return 0
 
 

@@ -49,7 +49,7 @@ def run_measure(args) -> int:
     from verispec.models.loader import load_model, resolve_dtype
     from verispec.models.registry import DEFAULT_MODEL
     from verispec.models.tokenizer import encode_chat
-    from verispec.spec.dspark.checkpoint import load_dspark
+    from verispec.spec.dspark.checkpoint import load_dspark, newest_checkpoint
     from verispec.spec.dspark.live import make_engine, run_live
     from verispec.spec.dspark.source import DSparkProvider
 
@@ -59,7 +59,7 @@ def run_measure(args) -> int:
     if eval_dir is None or not eval_dir.is_dir():
         raise UserError("no eval prompts found: pass --eval-dir (a folder of mt-bench.jsonl, gsm8k.jsonl, ...)")
     loaded = load_model(args.model or DEFAULT_MODEL, dtype=resolve_dtype(args.dtype))
-    drafter = load_dspark(Path(args.drafter), target=loaded, dtype=loaded.model.dtype)
+    drafter = load_dspark(newest_checkpoint(Path(args.drafter)), target=loaded, dtype=loaded.model.dtype)
     g = drafter.block_size
     plain = make_engine(loaded)
     spec = make_engine(loaded, DSparkProvider(drafter), adaptive=not args.fixed_draft, num_draft_tokens=g)
@@ -108,7 +108,7 @@ def run_measure(args) -> int:
         summary[str(temperature)] = {"tau_macro": round(sum(r["tau"] for r in mine) / len(mine), 3),
                                      "speedup_macro": round(sum(r["speedup"] or 0 for r in mine) / len(mine), 3)}
     report = _markdown(rows, summary, args, g)
-    out = Path(args.out) if args.out else Path(args.drafter)
+    out = Path(args.out) if args.out else newest_checkpoint(Path(args.drafter))
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(report)
     (out / "measure.json").write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
