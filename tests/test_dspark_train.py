@@ -155,10 +155,11 @@ def test_calibrate_writes_thresholds_and_measure_reports(tmp_path):
     (evals / "gsm8k.jsonl").write_text("".join(json.dumps({"turns": [p["turns_text"]]}) + "\n" for p in lines[:4]))
     assert main(["dspark", "measure", "--drafter", str(drafter), "-m", target, "--eval-dir", str(evals), "--datasets",
                  "gsm8k", "--per-dataset", "3", "--max-tokens", "32", "--dtype", "float32", "--quiet",
-                 "--fixed-draft"]) == 0
+                 "--fixed-draft", "--with-ngram"]) == 0
     measured = json.loads((drafter / "measure.json").read_text())
     for row in measured["rows"]:
         assert 1.0 < row["tau"] <= 5.0 and row["plain_tok_s"] > 0 and row["dspark_tok_s"] > 0
+        assert 1.0 <= row["ngram_tau"] <= 5.0 and row["ngram_tok_s"] > 0
         assert all(a is None or 0 <= a <= 1 for a in row["acceptance_by_position"])
     assert (drafter / "report.md").read_text().count("| gsm8k |") == 2 and (drafter / "measure.png").is_file()
 

@@ -131,6 +131,8 @@ a whole run for the default model (each command can be stopped and rerun; README
     me.add_argument("--temperatures", default="0,1", help="comma-separated (default 0,1)")
     me.add_argument("--max-tokens", type=int, default=192)
     me.add_argument("--fixed-draft", action="store_true", help="always draft a full block (no cost-based policy)")
+    me.add_argument("--with-ngram", action="store_true",
+                    help="also decode every prompt with n-gram drafting, the weightless reference (same policy)")
     me.add_argument("--out", default=None, help="report folder (default: the drafter's)")
     me.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     me.add_argument("--threads", type=int, default=None)

@@ -63,6 +63,11 @@ def run_measure(args) -> int:
     g = drafter.block_size
     plain = make_engine(loaded)
     spec = make_engine(loaded, DSparkProvider(drafter), adaptive=not args.fixed_draft, num_draft_tokens=g)
+    ngram = None
+    if args.with_ngram:  # the weightless reference: prompt lookup under the same policy
+        from verispec.spec.ngram import NgramProvider
+
+        ngram = make_engine(loaded, NgramProvider(), adaptive=not args.fixed_draft, num_draft_tokens=g)
     temperatures = [float(t) for t in args.temperatures.split(",")]
     datasets = args.datasets.split(",")
     rows = []
@@ -74,7 +79,8 @@ def run_measure(args) -> int:
             params = SamplingParams(temperature=temperature, seed=i) if temperature > 0 else SamplingParams()
             s = stats.setdefault((temperature, dataset), {"plain_tok": 0, "plain_s": 0.0, "spec_tok": 0, "spec_s": 0.0,
                                                           "emitted": 0, "rounds": 0, "reached": [0] * g, "kept": [0] * g,
-                                                          "prompts": 0})
+                                                          "prompts": 0, "ngram_tok": 0, "ngram_s": 0.0,
+                                                          "ngram_emitted": 0.0, "ngram_rounds": 0})
             a = run_live(plain, ids, args.max_tokens, params)
             b = run_live(spec, ids, args.max_tokens, params, loaded.stop_ids)
             s["plain_tok"] += a.tokens
@@ -82,6 +88,13 @@ def run_measure(args) -> int:
             s["spec_tok"] += b.tokens
             s["spec_s"] += b.decode_s
             s["prompts"] += 1
+            if ngram is not None:
+                c = run_live(ngram, ids, args.max_tokens, params)
+                s["ngram_tok"] += c.tokens
+                s["ngram_s"] += c.decode_s
+                if c.speculation:
+                    s["ngram_rounds"] += c.speculation["rounds"]
+                    s["ngram_emitted"] += c.speculation["mean_accepted_length"] * c.speculation["rounds"]
             if b.speculation:
                 s["rounds"] += b.speculation["rounds"]
                 s["emitted"] += b.speculation["mean_accepted_length"] * b.speculation["rounds"]
@@ -102,11 +115,19 @@ def run_measure(args) -> int:
             "plain_tok_s": round(plain_tps, 1), "dspark_tok_s": round(spec_tps, 1),
             "speedup": round(spec_tps / plain_tps, 3) if plain_tps else None,
         })
+        if ngram is not None:
+            ngram_tps = s["ngram_tok"] / s["ngram_s"] if s["ngram_s"] else 0.0
+            rows[-1].update(ngram_tau=round(s["ngram_emitted"] / s["ngram_rounds"], 3) if s["ngram_rounds"] else 1.0,
+                            ngram_tok_s=round(ngram_tps, 1),
+                            ngram_speedup=round(ngram_tps / plain_tps, 3) if plain_tps else None)
     summary = {}
     for temperature in temperatures:
         mine = [r for r in rows if r["temperature"] == temperature]
         summary[str(temperature)] = {"tau_macro": round(sum(r["tau"] for r in mine) / len(mine), 3),
                                      "speedup_macro": round(sum(r["speedup"] or 0 for r in mine) / len(mine), 3)}
+        if ngram is not None:
+            summary[str(temperature)]["ngram_speedup_macro"] = round(
+                sum(r["ngram_speedup"] or 0 for r in mine) / len(mine), 3)
     report = _markdown(rows, summary, args, g)
     out = Path(args.out) if args.out else newest_checkpoint(Path(args.drafter))
     out.mkdir(parents=True, exist_ok=True)
@@ -120,18 +141,24 @@ def run_measure(args) -> int:
 
 
 def _markdown(rows, summary, args, g) -> str:
+    policy = "full proposals every round" if args.fixed_draft else "the serving policy (cost-based draft length)"
     lines = [f"DSpark drafter {args.drafter}: {args.per_dataset} prompts per dataset, max_tokens {args.max_tokens}, "
-             f"one request at a time, plain and DSpark interleaved in the same run", "",
+             f"one request at a time, plain and DSpark interleaved in the same run, {policy}", "",
              "| dataset | T | tau | " + " | ".join(f"acc@{j + 1}" for j in range(g))
-             + " | plain tok/s | DSpark tok/s | speedup |",
-             "|---|---|---|" + "---|" * g + "---|---|---|"]
+             + " | plain tok/s | DSpark tok/s | speedup |"
+             + (" n-gram tau | n-gram speedup |" if args.with_ngram else ""),
+             "|---|---|---|" + "---|" * g + "---|---|---|" + ("---|---|" if args.with_ngram else "")]
     for r in rows:
         acc = " | ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_by_position"])
-        lines.append(f"| {r['dataset']} | {r['temperature']:g} | {r['tau']:.2f} | {acc} | {r['plain_tok_s']:.1f} | "
-                     f"{r['dspark_tok_s']:.1f} | {r['speedup']:.2f}x |")
+        line = (f"| {r['dataset']} | {r['temperature']:g} | {r['tau']:.2f} | {acc} | {r['plain_tok_s']:.1f} | "
+                f"{r['dspark_tok_s']:.1f} | {r['speedup']:.2f}x |")
+        if "ngram_tau" in r:
+            line += f" {r['ngram_tau']:.2f} | {r['ngram_speedup']:.2f}x |"
+        lines.append(line)
     lines.append("")
     for t, s in summary.items():
-        lines.append(f"T={float(t):g}: macro tau {s['tau_macro']:.2f}, macro speedup {s['speedup_macro']:.2f}x")
+        lines.append(f"T={float(t):g}: macro tau {s['tau_macro']:.2f}, macro speedup {s['speedup_macro']:.2f}x"
+                     + (f" (n-gram {s['ngram_speedup_macro']:.2f}x)" if "ngram_speedup_macro" in s else ""))
     return "\n".join(lines) + "\n"
 
 
