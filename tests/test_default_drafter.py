@@ -1,0 +1,83 @@
+"""The DSpark drafter shipped for the embedded default model (src/verispec/drafters/):
+it fits the model it was trained for, fits the size budget, carries calibrated
+thresholds, is what `generate` / `serve` use unless told `--no-draft`, and changes no
+token: greedy outputs, batched with joins, equal plain decoding in float32."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from verispec.cli import main
+from verispec.engine.engine import Engine, EngineConfig
+from verispec.engine.request import Collector, GenerationRequest
+from verispec.models.loader import load_model, read_config
+from verispec.models.tokenizer import encode_chat
+from verispec.spec.factory import BUNDLED_DRAFTERS, build_drafter
+
+pytestmark = pytest.mark.real_model
+SHIPPED = BUNDLED_DRAFTERS["smollm2-135m-instruct"]
+PROMPTS = [
+    "Explain in three sentences why the sky is blue.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_folder):
+    return load_model(str(smollm2_folder), dtype=torch.float32)
+
+
+def test_the_shipped_drafter_fits_its_model_and_the_size_budget(smollm2_folder):
+    config = json.loads((SHIPPED / "config.json").read_text())
+    target = read_config(smollm2_folder)
+    assert config["architectures"] == ["LlamaDSparkModel"]
+    assert config["hidden_size"] == target["hidden_size"]
+    assert max(config["target_layer_ids"]) < target["num_hidden_layers"]
+    # calibrate wrote one threshold per draft position
+    assert isinstance(config["confidence_threshold"], list) and len(config["confidence_threshold"]) == config["block_size"]
+    on_disk = sum(f.stat().st_size for f in SHIPPED.iterdir())
+    assert on_disk <= 32 * 2**20, f"{on_disk / 2**20:.1f} MiB shipped"
+
+
+def test_the_shipped_drafter_is_the_default_and_no_draft_turns_it_off(smollm2):
+    from verispec.spec.dspark.source import DSparkProvider
+
+    assert isinstance(build_drafter(smollm2, None, None, torch.float32), DSparkProvider)
+    assert build_drafter(smollm2, None, None, torch.float32, no_draft=True) is None
+
+
+def _run(loaded, drafter, limits):
+    engine = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, EngineConfig(kv_budget=2**30), drafter=drafter)
+    collectors = []
+    for i, (prompt, n) in enumerate(zip(PROMPTS, limits)):
+        collectors.append(Collector())
+        ids = encode_chat(loaded.tokenizer, [{"role": "user", "content": prompt}])
+        engine.submit(GenerationRequest(ids, n), collectors[-1])
+        for _ in range(3 * i):  # staggered: later rows join a running batch
+            engine.step()
+    engine.run_until_idle()
+    return [c.result(0) for c in collectors]
+
+
+def test_the_shipped_drafter_changes_no_token(smollm2):
+    limits = [80, 96, 64]
+    plain = _run(smollm2, None, limits)
+    spec = _run(smollm2, build_drafter(smollm2, None, None, torch.float32), limits)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert sum(r.speculation["accepted"] for r in spec) > 0, "the drafter's proposals were accepted"
+
+
+def test_generate_uses_it_unless_told_no_draft(smollm2_folder, capsys):
+    args = ["generate", "-m", "smollm2-135m-instruct", "--max-tokens", "48", "--temperature", "0", "--dtype", "float32",
+            PROMPTS[0]]
+    assert main(args) == 0
+    drafted = capsys.readouterr()
+    assert main([*args[:-1], "--no-draft", args[-1]]) == 0
+    plain = capsys.readouterr()
+    assert "spec:" in drafted.err and "spec:" not in plain.err
+    assert drafted.out == plain.out
