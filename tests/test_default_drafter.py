@@ -81,3 +81,14 @@ def test_generate_uses_it_unless_told_no_draft(smollm2_folder, capsys):
     plain = capsys.readouterr()
     assert "spec:" in drafted.err and "spec:" not in plain.err
     assert drafted.out == plain.out
+
+
+def test_seeded_sampling_with_it_gives_plain_decodings_tokens(smollm2_folder, capsys):
+    """Seeded rows verify by matching: the same tokens as plain seeded sampling, run after run."""
+    args = ["generate", "-m", "smollm2-135m-instruct", "--max-tokens", "48", "-t", "0.9", "--seed", "7",
+            "--dtype", "float32", "--quiet-stats", PROMPTS[1]]
+    outs = []
+    for extra in ([], ["--no-draft"], []):
+        assert main([*args[:-1], *extra, args[-1]]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] == outs[2] and outs[0].strip()

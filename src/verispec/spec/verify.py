@@ -12,12 +12,15 @@ history. Three rules, each leaving the output distribution exactly the target's:
   decoding would have drawn it, with the same random number: the generator is rewound
   so that a round consumes exactly one number per token it emits, and a seeded request
   gives the same tokens with or without speculation.
-* sampled, with q (a draft model): standard speculative sampling (Leviathan et al.,
-  Chen et al.): keep d_j with probability min(1, p(d_j) / q(d_j)); at the first rejection
-  draw from normalize(max(0, p - q)) (p itself where that mass vanishes); when all k are
-  kept draw the bonus from p_k. The output has distribution p; the random numbers differ
-  from plain decoding, so seeded outputs are reproducible but not equal to non-speculative
-  ones.
+* sampled, with q (a draft model, DSpark), no seed: standard speculative sampling
+  (Leviathan et al., Chen et al.): keep d_j with probability min(1, p(d_j) / q(d_j)); at
+  the first rejection draw from normalize(max(0, p - q)) (p itself where that mass
+  vanishes); when all k are kept draw the bonus from p_k. The output has distribution p.
+* sampled, with q, seeded: by matching, like n-gram drafts. Speculative sampling's random
+  numbers depend on how many drafts each round verified, and the cost-based policy picks
+  that from timings, so a seeded request would not repeat itself run to run; matching
+  gives exactly plain decoding's seeded tokens whatever was drafted (at a lower
+  acceptance: sum p*q instead of sum min(p, q)).
 
 Checked by tests/test_spec.py: greedy outputs identical to plain decoding for every
 source, seeded sampling with n-gram identical too, and a chi-square test of the first
@@ -65,7 +68,7 @@ def verify(processed: torch.Tensor, rows: list[VerifyRow]) -> list[tuple[int, in
             a, b = spans[i]
             results[i] = _first_mismatch(rows[i].drafts, targets[a:b])
 
-    matched = [i for i, r in enumerate(rows) if not r.params.is_greedy and r.q is None]
+    matched = [i for i, r in enumerate(rows) if not r.params.is_greedy and (r.q is None or r.params.seed is not None)]
     if matched:
         results_m = _verify_by_matching(processed, [rows[i] for i in matched], [spans[i] for i in matched])
         for i, result in zip(matched, results_m):
