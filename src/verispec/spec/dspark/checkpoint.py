@@ -31,16 +31,18 @@ from verispec.spec.dspark.model import DSparkDrafter
 FROZEN = ("embed_tokens.weight", "lm_head.weight")
 
 
+def latest_in_run(run: Path) -> Path | None:
+    """The checkpoint a `verispec dspark train` run folder's `latest` file names, if any."""
+    pointer = Path(run) / "latest"
+    return Path(run) / pointer.read_text().strip() if pointer.is_file() else None
+
+
 def newest_checkpoint(folder: Path) -> Path:
-    """A `verispec dspark train` run folder stands for its newest checkpoint (the one its
-    `latest` file names); any other folder is itself."""
+    """A `verispec dspark train` run folder stands for its newest checkpoint; any other
+    folder is itself."""
     folder = Path(folder)
-    pointer = folder / "latest"
-    if not (folder / "config.json").is_file() and pointer.is_file():
-        newest = folder / pointer.read_text().strip()
-        if (newest / "config.json").is_file():
-            return newest
-    return folder
+    newest = None if (folder / "config.json").is_file() else latest_in_run(folder)
+    return newest if newest is not None and (newest / "config.json").is_file() else folder
 
 
 def draft_kind(folder: Path) -> str:

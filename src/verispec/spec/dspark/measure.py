@@ -73,52 +73,38 @@ def run_measure(args) -> int:
     rows = []
     jobs = [(t, d, p) for t in temperatures for d in datasets for p in load_eval(eval_dir, d, args.per_dataset)]
     stats: dict = {}
+    arms = {"plain": plain, "spec": spec, **({"ngram": ngram} if ngram is not None else {})}
     with tqdm(total=len(jobs), desc="measure", unit="prompt", file=sys.stderr, disable=args.quiet) as bar:
-        for i, (temperature, dataset, text) in enumerate(jobs):
+        for temperature, dataset, text in jobs:
             ids = encode_chat(loaded.tokenizer, [{"role": "user", "content": text}])
-            params = SamplingParams(temperature=temperature, seed=i) if temperature > 0 else SamplingParams()
-            s = stats.setdefault((temperature, dataset), {"plain_tok": 0, "plain_s": 0.0, "spec_tok": 0, "spec_s": 0.0,
-                                                          "emitted": 0, "rounds": 0, "reached": [0] * g, "kept": [0] * g,
-                                                          "prompts": 0, "ngram_tok": 0, "ngram_s": 0.0,
-                                                          "ngram_emitted": 0.0, "ngram_rounds": 0})
-            a = run_live(plain, ids, args.max_tokens, params)
-            b = run_live(spec, ids, args.max_tokens, params, loaded.stop_ids)
-            s["plain_tok"] += a.tokens
-            s["plain_s"] += a.decode_s
-            s["spec_tok"] += b.tokens
-            s["spec_s"] += b.decode_s
+            # unseeded, as most clients send: seeded rows verify by matching, not speculative sampling
+            params = SamplingParams(temperature=temperature)
+            s = stats.setdefault((temperature, dataset), {"prompts": 0, "reached": [0] * g, "kept": [0] * g,
+                                                          **{arm: _Tally() for arm in arms}})
             s["prompts"] += 1
-            if ngram is not None:
-                c = run_live(ngram, ids, args.max_tokens, params)
-                s["ngram_tok"] += c.tokens
-                s["ngram_s"] += c.decode_s
-                if c.speculation:
-                    s["ngram_rounds"] += c.speculation["rounds"]
-                    s["ngram_emitted"] += c.speculation["mean_accepted_length"] * c.speculation["rounds"]
-            if b.speculation:
-                s["rounds"] += b.speculation["rounds"]
-                s["emitted"] += b.speculation["mean_accepted_length"] * b.speculation["rounds"]
-            for r in b.rounds:
-                for j in range(min(r.proposal_len, g)):
-                    if j > r.accepted:
-                        break
-                    s["reached"][j] += 1
-                    s["kept"][j] += j < r.accepted
+            for arm, engine in arms.items():
+                live = run_live(engine, ids, args.max_tokens, params, loaded.stop_ids if arm == "spec" else ())
+                s[arm].add(live)
+                if arm == "spec":
+                    for r in live.rounds:
+                        for j in range(min(r.proposal_len, g)):
+                            if j > r.accepted:
+                                break
+                            s["reached"][j] += 1
+                            s["kept"][j] += j < r.accepted
             bar.update(1)
     for (temperature, dataset), s in stats.items():
-        plain_tps = s["plain_tok"] / s["plain_s"] if s["plain_s"] else 0.0
-        spec_tps = s["spec_tok"] / s["spec_s"] if s["spec_s"] else 0.0
+        plain_tps, spec_tps = s["plain"].tok_s, s["spec"].tok_s
         rows.append({
             "dataset": dataset, "temperature": temperature, "prompts": s["prompts"],
-            "tau": round(s["emitted"] / s["rounds"], 3) if s["rounds"] else 1.0,
+            "tau": s["spec"].tau,
             "acceptance_by_position": [round(k / r, 3) if r else None for k, r in zip(s["kept"], s["reached"])],
             "plain_tok_s": round(plain_tps, 1), "dspark_tok_s": round(spec_tps, 1),
             "speedup": round(spec_tps / plain_tps, 3) if plain_tps else None,
         })
         if ngram is not None:
-            ngram_tps = s["ngram_tok"] / s["ngram_s"] if s["ngram_s"] else 0.0
-            rows[-1].update(ngram_tau=round(s["ngram_emitted"] / s["ngram_rounds"], 3) if s["ngram_rounds"] else 1.0,
-                            ngram_tok_s=round(ngram_tps, 1),
+            ngram_tps = s["ngram"].tok_s
+            rows[-1].update(ngram_tau=s["ngram"].tau, ngram_tok_s=round(ngram_tps, 1),
                             ngram_speedup=round(ngram_tps / plain_tps, 3) if plain_tps else None)
     summary = {}
     for temperature in temperatures:
@@ -138,6 +124,28 @@ def run_measure(args) -> int:
     print(json.dumps({"bench": "dspark_measure", "drafter": str(args.drafter), "max_tokens": args.max_tokens,
                       "per_dataset": args.per_dataset, "rows": rows, "summary": summary}))
     return 0
+
+
+class _Tally:
+    """One engine's decoding over a dataset: tokens, decode time, rounds and tokens emitted."""
+
+    def __init__(self):
+        self.tokens, self.seconds, self.rounds, self.emitted = 0, 0.0, 0, 0.0
+
+    def add(self, live) -> None:
+        self.tokens += live.tokens
+        self.seconds += live.decode_s
+        if live.speculation:
+            self.rounds += live.speculation["rounds"]
+            self.emitted += live.speculation["mean_accepted_length"] * live.speculation["rounds"]
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tau(self) -> float:
+        return round(self.emitted / self.rounds, 3) if self.rounds else 1.0
 
 
 def _markdown(rows, summary, args, g) -> str:

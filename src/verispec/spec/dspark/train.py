@@ -337,12 +337,11 @@ class _null:
 
 
 def _latest(out: Path) -> Path | None:
-    pointer = out / "latest"
-    if pointer.is_file():
-        folder = out / pointer.read_text().strip()
-        if (folder / STATE).is_file():
-            return folder
-    return None
+    """The newest checkpoint with a trainer state to resume from."""
+    from verispec.spec.dspark.checkpoint import latest_in_run
+
+    folder = latest_in_run(out)
+    return folder if folder is not None and (folder / STATE).is_file() else None
 
 
 def _save(drafter, optimizer, params, out: Path, step: int) -> None:
