@@ -84,7 +84,10 @@ class Speculator:
                 asks.append(0)
                 continue
             limit = min(self.max_draft, row.request.max_tokens - len(row.output) - 1)
-            asks.append(self.policy.choose(row.spec.estimate, batch_tokens, limit) if self.adaptive else max(0, limit))
+            # a seeded row drafts its whole budget: the policy's choice depends on timings, and
+            # so would the verify forwards' shapes and, in bf16, the sampled tokens
+            adaptive = self.adaptive and row.params.seed is None
+            asks.append(self.policy.choose(row.spec.estimate, batch_tokens, limit) if adaptive else max(0, limit))
         wanted = [(row.source, row.pending, k) for row, k in zip(rows, asks) if k > 0]
         if not wanted:
             return [Draft() for _ in rows]
