@@ -386,12 +386,21 @@ class Engine:
             released = row.text.finish()  # EOS is never content; held-back text is
             self._finish(row, FINISH_STOP, text=released.text, n_tokens=released.tokens)
             return
+        if row.grammar is not None and not row.grammar.consume(info.token):
+            # the mask allowed it, so this is a backend fault: fail the row, keep the others
+            self._finish(row, FINISH_ERROR, error=f"the grammar rejected token {info.token}: {row.grammar.error}")
+            return
         row.output.append(info.token)
         row.unreleased.append(info)
         self.metrics.generation_tokens += 1
         released = row.text.push(info.token)
         if released.stopped:
             self._finish(row, FINISH_STOP, text=released.text, n_tokens=released.tokens)
+        elif row.grammar is not None and row.grammar.stopped:
+            # the grammar is complete (nothing but EOS may follow): the output ends here,
+            # also inside a burst of accepted drafts
+            tail = row.text.finish()
+            self._finish(row, FINISH_STOP, text=released.text + tail.text, n_tokens=released.tokens + tail.tokens)
         elif len(row.output) >= row.request.max_tokens:
             tail = row.text.finish()
             reason = FINISH_STOP if tail.stopped else FINISH_LENGTH

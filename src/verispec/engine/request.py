@@ -38,6 +38,7 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    grammar: object | None = None  # a compiled grammar (grammar/backend.py CompiledGrammar): structured output
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 

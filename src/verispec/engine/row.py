@@ -40,6 +40,8 @@ class Row:
         self.pending: int | None = None
         self.unreleased: list[TokenInfo] = []  # emitted tokens whose text is still held back
         self.text = TextStream(tokenizer, request.stop)
+        # structured output: this row's own matcher, advanced only by emitted tokens
+        self.grammar = request.grammar.new_matcher() if request.grammar is not None else None
         self.generator = None if self.params.is_greedy else make_generator(self.params.seed)
         # penalties read the prompt every step: one tensor, made once
         self.prompt_tensor = torch.tensor(request.prompt_ids, dtype=torch.long) if self.params.has_penalties else None

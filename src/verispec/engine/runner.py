@@ -4,7 +4,8 @@
 drafts...]` for a decoding row) and, after `forward`, its logits and tapped hidden
 states. `decide` turns the logits of the rows that emit into tokens: every row's
 positions go through the processors in one batched call (each position with its own
-history: the output plus the drafts before it), then spec/verify.py keeps the longest
+history: the output plus the drafts before it, and, for a row with a grammar, the mask
+of the grammar's state at that position: engine/grammar_masks.py), then spec/verify.py keeps the longest
 acceptable prefix of each row's drafts and draws the token after it. A row without drafts
 is the k = 0 case of the same rule, which is plain sampling.
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verispec.engine.grammar_masks import step_masks
 from verispec.engine.request import TokenInfo
 from verispec.engine.row import Row
 from verispec.engine.sampling import process_logits, token_logprobs
@@ -126,7 +128,9 @@ def _decide(work: list[Work]) -> list[tuple[Work, list[TokenInfo]]]:
             if penalties:
                 prompts.append(w.row.prompt_tensor)
                 histories.append(w.row.output + drafts[:j] if j else w.row.output)
-    processed = process_logits(logits, params, prompts if penalties else None, histories if penalties else None)
+    allowed = step_masks([(w.row.grammar, w.draft.tokens) for w in work], logits.shape[1])
+    processed = process_logits(logits, params, prompts if penalties else None, histories if penalties else None,
+                               allowed)
     decisions = verify(processed, [VerifyRow(w.row.params, w.row.generator, w.draft.tokens, w.draft.q) for w in work])
     out, at = [], 0
     for w, (n_kept, next_token) in zip(work, decisions):

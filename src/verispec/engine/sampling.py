@@ -17,6 +17,11 @@ Processing order (``process_logits``)
                                before anything that depends on their scale.
 3. presence / frequency     -- OpenAI semantics over generated tokens only; additive,
                                also on the logit scale.
+   grammar mask             -- (structured output) tokens the row's grammar does not
+                               allow next become -inf: after the logits processors, before
+                               everything that samples, so temperature and the
+                               truncations act on the grammar's support (vLLM's order),
+                               and a top-k/top-p set can never end up empty.
    *Greedy rows stop here*: the token is the argmax of this row. Temperature and
    the truncations below cannot change which token is largest (they only rescale
    or drop smaller tokens), so skipping them saves work and changes nothing.
@@ -205,12 +210,14 @@ def process_logits(
     params: Sequence[SamplingParams],
     prompt_histories: Sequence[History | None] | None = None,
     output_histories: Sequence[History | None] | None = None,
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Apply every request's processors to its rows (order in the module docstring).
 
     ``logits`` is ``[N, V]`` (any float dtype; computed in float32). ``params[i]``,
     ``prompt_histories[i]`` and ``output_histories[i]`` belong to row ``i``; histories
-    are needed only for rows with penalties (a ``None`` entry means empty). Token ids
+    are needed only for rows with penalties (a ``None`` entry means empty). ``allowed``
+    is ``(row index [P], bool [P, V])``: the grammar masks of the rows that have one. Token ids
     outside ``[0, V)`` in a history are ignored: a model whose embedding table is
     larger than its output head can never produce them (HF does the same). Histories
     are cheapest as 1-D LongTensors on the logits' device: a Python list is converted
@@ -226,12 +233,15 @@ def process_logits(
     if len(params) != num_rows:
         raise ValueError(f"got {len(params)} SamplingParams for {num_rows} logits rows")
     # Fast path: plain greedy decoding must cost next to nothing per token.
-    if all(p._noop for p in params):
+    if allowed is None and all(p._noop for p in params):
         return logits.float()
 
     scores = logits.to(torch.float32, copy=True)
     _apply_logit_bias(scores, params)
     _apply_penalties(scores, params, prompt_histories, output_histories)
+    if allowed is not None:
+        rows, mask = allowed
+        scores[rows] = scores[rows].masked_fill_(~mask.to(scores.device), -math.inf)
     _apply_warpers(scores, params)
     return scores
 

@@ -25,10 +25,11 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     if not has_chat_template(tokenizer):
         raise ValueError("this model's tokenizer has no chat template; pass a plain prompt with --raw")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    extra = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

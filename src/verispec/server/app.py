@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import Counter
@@ -35,6 +36,7 @@ from verispec.server.errors import DEFAULT_MAX_BODY_BYTES, BodyLimit, authorized
 from verispec.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, build_requests, parse
 from verispec.server.responses import ChatFormat, Choice, CompletionFormat, now, usage
 from verispec.server.streaming import DONE, EngineStream, sse
+from verispec.server.structured import StructuredOutput, constraint, tools_system_note
 
 log = logging.getLogger("verispec.server")
 
@@ -65,6 +67,7 @@ def create_app(engine: Engine, config: ServerConfig, manage_engine: bool = True)
     async def lifespan(_app):
         if manage_engine:
             engine.start()
+        structured.warm()
         yield
         if manage_engine:
             engine.shutdown()
@@ -72,6 +75,7 @@ def create_app(engine: Engine, config: ServerConfig, manage_engine: bool = True)
     app = FastAPI(title="verispec", lifespan=lifespan, docs_url=None, redoc_url=None)
     http_counts: Counter = Counter()
     token_text = TokenText(engine.tokenizer)
+    structured = StructuredOutput(engine.tokenizer, engine.vocab_size, engine.stop_ids)
     started = now()
 
     # -- errors ---------------------------------------------------------------------
@@ -108,9 +112,11 @@ def create_app(engine: Engine, config: ServerConfig, manage_engine: bool = True)
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {config.model_name!r}",
                            "model", "model_not_found")
 
-    async def respond(request: Request, req: SamplingFields, fmt: ChatFormat, prompts: list[list[int]], max_tokens):
+    async def respond(request: Request, req: SamplingFields, fmt: ChatFormat, prompts: list[list[int]], max_tokens,
+                      grammar=None):
         logprobs = fmt_logprobs(req)
-        requests = build_requests(req, prompts, max_tokens, logprobs, config.generation_defaults, engine.max_new_tokens)
+        requests = build_requests(req, prompts, max_tokens, logprobs, config.generation_defaults, engine.max_new_tokens,
+                                  grammar)
         stream = EngineStream(engine, requests)
         stream.submit()
         prompt_tokens = sum(len(p) for p in prompts)
@@ -162,10 +168,13 @@ def create_app(engine: Engine, config: ServerConfig, manage_engine: bool = True)
                 choice = choices[index]
                 if out.text or out.tokens:
                     offset = choice.add(out.text, out.tokens)
-                    yield chunk(fmt.delta(index, out.text, out.tokens, offset))
+                    payload = fmt.delta(index, out.text, out.tokens, offset)
+                    if payload is not None:
+                        yield chunk(payload)
                 if out.finished:
                     choice.finish(out)
-                    yield chunk(fmt.finish(index, out.finish_reason))
+                    for payload in fmt.finish_chunks(index, choice):
+                        yield chunk(payload)
             else:
                 if include_usage:
                     yield sse(fmt.usage_chunk(usage(prompt_tokens, choices)))
@@ -185,18 +194,22 @@ def create_app(engine: Engine, config: ServerConfig, manage_engine: bool = True)
         require_key(request)
         req = parse(ChatCompletionRequest, await request.body())
         require_model(req.model)
-        prompt = chat_prompt(engine.tokenizer, req)
-        fmt = ChatFormat(config.model_name, token_text, req.logprobs)
-        return await respond(request, req, fmt, [prompt], req.max_completion_tokens or req.max_tokens)
+        wanted = constraint(req, req.tools, req.tool_choice, req.parallel_tool_calls)
+        grammar = await structured.compile_async(wanted) if wanted else None
+        prompt = chat_prompt(engine.tokenizer, req, with_tools=wanted is not None and wanted.tools is not None)
+        fmt = ChatFormat(config.model_name, token_text, req.logprobs, wanted.tools if wanted else None)
+        return await respond(request, req, fmt, [prompt], req.max_completion_tokens or req.max_tokens, grammar)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         require_key(request)
         req = parse(CompletionRequest, await request.body())
         require_model(req.model)
+        wanted = constraint(req)
+        grammar = await structured.compile_async(wanted) if wanted else None
         prompts = completion_prompts(engine.tokenizer, req)
         fmt = CompletionFormat(config.model_name, token_text, req.logprobs is not None)
-        return await respond(request, req, fmt, prompts, req.max_tokens)
+        return await respond(request, req, fmt, prompts, req.max_tokens, grammar)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -212,7 +225,7 @@ def create_app(engine: Engine, config: ServerConfig, manage_engine: bool = True)
 
     @app.get("/stats")
     async def stats():
-        return {"model": config.model_name, **engine.stats()}
+        return {"model": config.model_name, **engine.stats(), "grammar_cache": structured.stats()}
 
     @app.get("/metrics")
     async def prometheus():
@@ -250,13 +263,37 @@ class CountRequests:
 # -- prompts ------------------------------------------------------------------------------
 
 
-def chat_prompt(tokenizer, req: ChatCompletionRequest) -> list[int]:
-    """The chat template, rendered once with the generation prompt (it carries BOS)."""
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+def chat_prompt(tokenizer, req: ChatCompletionRequest, with_tools: bool = False) -> list[int]:
+    """The chat template, rendered once with the generation prompt (it carries BOS).
+    Tools go to templates that take them; other templates get them as a system note."""
+    messages = [chat_message(m) for m in req.messages]
+    tools = None
+    if with_tools:
+        if "tools" in (getattr(tokenizer, "chat_template", None) or ""):
+            tools = [t.model_dump() for t in req.tools]
+        else:
+            note = tools_system_note(req.tools)
+            if messages[0]["role"] == "system":
+                messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + note}
+            else:
+                messages.insert(0, {"role": "system", "content": note})
     try:
-        return encode_chat(tokenizer, messages)
+        return encode_chat(tokenizer, messages, tools)
     except Exception as e:  # noqa: BLE001 - a template's own complaint (e.g. role order) is the user's to fix
         raise RequestRejected(f"the chat template refused these messages: {e}", "messages") from None
+
+
+def chat_message(m) -> dict:
+    """A message as templates read it; earlier tool calls stay visible to templates that
+    know nothing of them, as their JSON."""
+    message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.tool_calls:
+        message["tool_calls"] = m.tool_calls
+        if not message["content"]:
+            message["content"] = json.dumps([c.get("function", c) for c in m.tool_calls], ensure_ascii=False)
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    return message
 
 
 def completion_prompts(tokenizer, req: CompletionRequest) -> list[list[int]]:

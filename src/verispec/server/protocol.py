@@ -3,8 +3,10 @@
 Validation is strict (JSON types as OpenAI documents them: "1" is not a number, true is
 not an integer) and every failure becomes a 400 whose `param` names the field, e.g.
 `messages[1].role`. Unknown fields are ignored, as OpenAI-compatible servers do, except
-documented OpenAI features this server does not implement (tools, response formats,
-audio, echo, suffix, best_of): those are refused by name rather than silently dropped.
+documented OpenAI features this server does not implement (legacy functions, audio,
+predictions, echo, suffix, best_of): those are refused by name rather than silently
+dropped. Structured output fields (response_format, guided_*, tools) are parsed here and
+turned into a grammar by server/structured.py.
 
 The fields shared by /v1/chat/completions and /v1/completions live in one base model and
 are turned into SamplingParams / GenerationRequest by one function, so request shaping
@@ -19,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from verispec.engine.request import GenerationRequest, RequestRejected
 from verispec.engine.sampling import MAX_LOGPROBS, SamplingParams
+from verispec.server.structured import GuidedFields, Tool
 
 MAX_N = 16  # choices per request: each is a row of its own in the batch
 MAX_STOP_STRINGS = 16
@@ -42,6 +45,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls (multi-turn tool use)
+    tool_call_id: str | None = None  # a tool message answers this call
 
     def text(self) -> str:
         if self.content is None:
@@ -54,7 +59,7 @@ class ChatMessage(_Strict):
 Probability = Annotated[float, Field(ge=0, le=1)]
 
 
-class SamplingFields(_Strict):
+class SamplingFields(GuidedFields):
     """Fields both endpoints accept (OpenAI's, plus vLLM's common extensions)."""
 
     model: str
@@ -95,12 +100,12 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
     # refused by name below when set: OpenAI features this server does not have
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     prediction: Any = None
 
@@ -113,7 +118,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
 
-_UNSUPPORTED_CHAT = ("tools", "functions", "audio", "prediction")
+_UNSUPPORTED_CHAT = ("functions", "audio", "prediction")
 
 
 def check_unsupported(req: SamplingFields) -> None:
@@ -121,17 +126,11 @@ def check_unsupported(req: SamplingFields) -> None:
         for name in _UNSUPPORTED_CHAT:
             if getattr(req, name) not in (None, []):
                 raise RequestRejected(f"{name} is not supported by this server", name)
-        if req.tool_choice not in (None, "none"):
-            raise RequestRejected("tool_choice is not supported by this server", "tool_choice")
         if req.function_call not in (None, "none"):
-            raise RequestRejected("function_call is not supported by this server", "function_call")
-        if req.response_format not in (None, {"type": "text"}):
-            raise RequestRejected("response_format other than {\"type\": \"text\"} is not supported yet", "response_format")
+            raise RequestRejected("function_call is not supported by this server (use tools and tool_choice)",
+                                  "function_call")
         if req.top_logprobs is not None and not req.logprobs:
             raise RequestRejected("top_logprobs requires logprobs to be true", "top_logprobs")
-        for i, m in enumerate(req.messages):
-            if m.role == "tool":
-                raise RequestRejected("tool messages are not supported by this server", f"messages[{i}].role")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise RequestRejected("echo is not supported by this server", "echo")
@@ -208,10 +207,12 @@ def sampling_params(req: SamplingFields, logprobs: int | None, defaults: dict, s
 
 def build_requests(
     req: SamplingFields, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None, defaults: dict,
-    max_new_tokens,
+    max_new_tokens, grammar=None,
 ) -> list[GenerationRequest]:
     """One engine request per (prompt, choice), in OpenAI's choice order (prompt-major).
-    `max_new_tokens(prompt_len)` gives the default when the client set no limit."""
+    `max_new_tokens(prompt_len)` gives the default when the client set no limit; every
+    choice of a constrained request shares the compiled `grammar` (each row gets its own
+    matcher)."""
     stops = req.stop_strings()
     out = []
     for prompt in prompts:
@@ -224,5 +225,5 @@ def build_requests(
             # choices of one seeded request differ from each other but are reproducible
             seed = None if req.seed is None else req.seed + choice
             params = sampling_params(req, logprobs, defaults, seed)
-            out.append(GenerationRequest(list(prompt), limit, params, stops, req.ignore_eos))
+            out.append(GenerationRequest(list(prompt), limit, params, stops, req.ignore_eos, grammar))
     return out

@@ -113,8 +113,9 @@ class ChatFormat:
 
     object_final, object_chunk, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
-    def __init__(self, model: str, token_text: TokenText, logprobs: bool):
+    def __init__(self, model: str, token_text: TokenText, logprobs: bool, tools=None):
         self.model, self.token_text, self.logprobs = model, token_text, logprobs
+        self.tools = tools  # server/structured.py ToolMode: the constrained text becomes tool_calls
         self.id, self.created = new_id(self.id_prefix), now()
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
@@ -130,20 +131,45 @@ class ChatFormat:
     def _logprobs(self, tokens: list[TokenInfo], offset: int):
         return chat_logprobs(self.token_text, tokens) if self.logprobs else None
 
-    def delta(self, index: int, text: str, tokens: list[TokenInfo], offset: int) -> dict:
+    def delta(self, index: int, text: str, tokens: list[TokenInfo], offset: int) -> dict | None:
+        if self.tools is not None:
+            return None  # a call's JSON is sent whole, once it is complete (finish_chunks)
         return self._envelope(self.object_chunk, [{"index": index, "delta": {"content": text},
                                                    "logprobs": self._logprobs(tokens, offset), "finish_reason": None}])
 
-    def finish(self, index: int, reason: str) -> dict:
-        return self._envelope(self.object_chunk, [{"index": index, "delta": {}, "logprobs": None,
-                                                   "finish_reason": finish_reason(reason)}])
+    def finish_chunks(self, index: int, choice: Choice) -> list[dict]:
+        chunks = []
+        calls = self._tool_calls(choice)
+        if calls:
+            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+            chunks.append(self._envelope(self.object_chunk, [{"index": index, "delta": delta, "logprobs": None,
+                                                              "finish_reason": None}]))
+        elif self.tools is not None and choice.text:  # cut short: the partial text, as content
+            chunks.append(self._envelope(self.object_chunk, [{"index": index, "delta": {"content": "".join(choice.text)},
+                                                              "logprobs": None, "finish_reason": None}]))
+        chunks.append(self._envelope(self.object_chunk, [{"index": index, "delta": {}, "logprobs": None,
+                                                          "finish_reason": self._reason(choice, calls)}]))
+        return chunks
+
+    def _tool_calls(self, choice: Choice) -> list[dict] | None:
+        """tool_calls when the tool-constrained output completed (a length cut is not a call)."""
+        if self.tools is None or choice.finish_reason != "stop":
+            return None
+        return self.tools.calls("".join(choice.text))
+
+    def _reason(self, choice: Choice, calls) -> str | None:
+        return "tool_calls" if calls else finish_reason(choice.finish_reason)
 
     def usage_chunk(self, usage_block: dict) -> dict:
         return {**self._envelope(self.object_chunk, []), "usage": usage_block}
 
     def final_choice(self, index: int, choice: Choice) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": "".join(choice.text)},
-                "logprobs": self._logprobs(choice.tokens, 0), "finish_reason": finish_reason(choice.finish_reason)}
+        calls = self._tool_calls(choice)
+        message = {"role": "assistant", "content": None if calls else "".join(choice.text)}
+        if calls:
+            message["tool_calls"] = calls
+        return {"index": index, "message": message, "logprobs": self._logprobs(choice.tokens, 0),
+                "finish_reason": self._reason(choice, calls)}
 
     def final(self, choices: list[Choice], usage_block: dict) -> dict:
         body = self._envelope(self.object_final, [self.final_choice(i, c) for i, c in enumerate(choices)])
@@ -166,9 +192,9 @@ class CompletionFormat(ChatFormat):
         return self._envelope(self.object_chunk, [{"index": index, "text": text,
                                                    "logprobs": self._logprobs(tokens, offset), "finish_reason": None}])
 
-    def finish(self, index: int, reason: str) -> dict:
-        return self._envelope(self.object_chunk, [{"index": index, "text": "", "logprobs": None,
-                                                   "finish_reason": finish_reason(reason)}])
+    def finish_chunks(self, index: int, choice: Choice) -> list[dict]:
+        return [self._envelope(self.object_chunk, [{"index": index, "text": "", "logprobs": None,
+                                                    "finish_reason": finish_reason(choice.finish_reason)}])]
 
     def final_choice(self, index: int, choice: Choice) -> dict:
         return {"index": index, "text": "".join(choice.text), "logprobs": self._logprobs(choice.tokens, 0),

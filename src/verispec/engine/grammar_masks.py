@@ -1,0 +1,61 @@
+"""Grammar masks for one step's verify positions.
+
+A grammar row fed `[pending, d_1 .. d_k]` has k + 1 verify positions; position j samples
+the token after d_j, so its mask is the grammar's state after the row's output plus
+d_1 .. d_j. The matcher walks the drafts it accepts (`validate` says how many, m), fills
+the masks of positions 0 .. m, and rolls back to the output: the matcher only ever
+stays advanced by emitted tokens (engine.py consumes them as they are accepted).
+
+Positions after m need no mask: d_{m+1} is not allowed at position m, so its masked
+probability is 0 and every verify rule rejects it there (greedy: the masked argmax
+differs; matching: a masked draw never equals it; speculative sampling: p/q = 0). Those
+positions are left all-allowed and never read. Drafts themselves stay unconstrained,
+and speculative sampling still sees the draft's own q for the rejected token, so the
+residual it resamples from is exact.
+
+A grammar position that allows no token at all (a grammar the backend cannot extend)
+raises GrammarDeadEnd before anything is sampled: runner.decide fails that row alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verispec.grammar.backend import Matcher, bitmask_to_bool, bitmask_words
+
+
+class GrammarDeadEnd(RuntimeError):
+    pass
+
+
+def step_masks(rows: list[tuple[Matcher | None, list[int]]], vocab_size: int
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`rows`: (matcher or None, drafts) per emitting row, in the order of their verify
+    positions. Returns (position index [P], allowed [P, V]) over the grammar rows'
+    positions, or None when no row has a grammar."""
+    if all(m is None for m, _ in rows):
+        return None
+    index, at, n_positions = [], 0, 0
+    for matcher, drafts in rows:
+        if matcher is not None:
+            index.extend(range(at, at + len(drafts) + 1))
+        at += len(drafts) + 1
+    bitmask = torch.full((len(index), bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    firsts = []  # each grammar row's position 0: the one every step reads
+    for matcher, drafts in rows:
+        if matcher is None:
+            continue
+        matcher.fill_bitmask(bitmask, n_positions)
+        valid = matcher.validate(drafts)
+        for j in range(valid):
+            matcher.consume(drafts[j])
+            matcher.fill_bitmask(bitmask, n_positions + j + 1)
+        matcher.rollback(valid)
+        firsts.append((n_positions, matcher))
+        n_positions += len(drafts) + 1
+    allowed = bitmask_to_bool(bitmask, vocab_size)
+    alive = allowed[[p for p, _ in firsts]].any(dim=-1).tolist()
+    for (_, matcher), ok in zip(firsts, alive):
+        if not ok:
+            raise GrammarDeadEnd(f"the grammar allows no next token: {matcher.error or 'no token can continue the output'}")
+    return torch.tensor(index, dtype=torch.long), allowed

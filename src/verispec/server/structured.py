@@ -1,0 +1,239 @@
+"""Structured output on the wire: which constraint a request asks for, compiled once.
+
+Sources (at most one per request, else a 400 naming both):
+
+* `response_format`: `{"type": "text"}` (none), `{"type": "json_object"}` (any JSON
+  object), `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`;
+* vLLM's extensions: `guided_json` (a schema, object or JSON text), `guided_regex`,
+  `guided_choice` (a list of strings), `guided_grammar` (llguidance's Lark syntax:
+  https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md);
+* chat `tools` with `tool_choice` "required" (the output is a JSON array of one or more
+  `{"name", "arguments"}` calls, exactly one with `parallel_tool_calls: false`, each function's arguments validated by its parameters
+  schema) or `{"type": "function", "function": {"name": ...}}` (the output is that
+  function's arguments). "none" ignores the tools. "auto" is refused: deciding between
+  text and a call needs a parser for the model's own tool-call format.
+
+The constraint becomes a GrammarSpec, compiled through the shared GrammarCache in a
+worker thread (the event loop keeps serving); an invalid schema, regex or grammar is a
+400 with the compiler's message before any engine work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from verispec.engine.request import RequestRejected
+from verispec.grammar.cache import DEFAULT_CACHE_BYTES, GrammarCache
+from verispec.grammar.spec import GrammarError, GrammarSpec
+
+MAX_CHOICES = 1024
+FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class JsonSchemaFormat(_Strict):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME.pattern)]
+    schema_: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME.pattern)]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class GuidedFields(_Strict):
+    """The constraint fields both endpoints accept."""
+
+    response_format: ResponseFormat | None = None
+    guided_json: dict | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    guided_grammar: str | None = None
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """How to turn a tool-constrained output into `tool_calls`."""
+
+    named: str | None  # the forced function's name; None: "required" (an array of calls)
+
+    def calls(self, text: str) -> list[dict]:
+        """OpenAI tool_calls from the constrained text (which the grammar made valid JSON)."""
+        if self.named is not None:
+            pairs = [(self.named, text)]
+        else:
+            pairs = [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in json.loads(text)]
+        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": name, "arguments": arguments}} for name, arguments in pairs]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    spec: GrammarSpec
+    param: str  # the request field it came from (400s name it)
+    tools: ToolMode | None = None
+
+
+def constraint(req, tools: list[Tool] | None = None, tool_choice: Any = None,
+               parallel_tool_calls: bool | None = None) -> Constraint | None:
+    """The request's constraint, or None; RequestRejected naming the field when two
+    sources conflict or one is malformed."""
+    found = []
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            found.append(Constraint(GrammarSpec.json_object(), "response_format"))
+        else:
+            if rf.json_schema is None:
+                raise RequestRejected("response_format of type json_schema needs a json_schema object",
+                                      "response_format.json_schema")
+            schema = rf.json_schema.schema_
+            # OpenAI: strict defaults to false (best effort); we always enforce what we can
+            found.append(Constraint(GrammarSpec.json_schema({} if schema is None else schema,
+                                                            strict=bool(rf.json_schema.strict)),
+                                    "response_format.json_schema.schema"))
+    if req.guided_json is not None:
+        schema = req.guided_json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise RequestRejected(f"guided_json is not valid JSON: {e}", "guided_json") from None
+            if not isinstance(schema, (dict, bool)):
+                raise RequestRejected("guided_json must be a JSON schema (an object)", "guided_json")
+        found.append(Constraint(GrammarSpec.json_schema(schema), "guided_json"))
+    if req.guided_regex is not None:
+        if not req.guided_regex:
+            raise RequestRejected("guided_regex must not be empty", "guided_regex")
+        found.append(Constraint(GrammarSpec.regex(req.guided_regex), "guided_regex"))
+    if req.guided_choice is not None:
+        if any(not c for c in req.guided_choice):
+            raise RequestRejected("guided_choice entries must not be empty", "guided_choice")
+        found.append(Constraint(GrammarSpec.choice(req.guided_choice), "guided_choice"))
+    if req.guided_grammar is not None:
+        if not req.guided_grammar.strip():
+            raise RequestRejected("guided_grammar must not be empty", "guided_grammar")
+        found.append(Constraint(GrammarSpec.grammar(req.guided_grammar), "guided_grammar"))
+    tool = tool_constraint(tools, tool_choice, parallel_tool_calls is not False)
+    if tool is not None:
+        found.append(tool)
+    if len(found) > 1:
+        raise RequestRejected(f"{found[0].param.split('.')[0]} and {found[1].param.split('.')[0]} cannot be combined: "
+                              "a request takes one output constraint", found[1].param.split(".")[0])
+    return found[0] if found else None
+
+
+def tool_constraint(tools: list[Tool] | None, tool_choice: Any, parallel: bool = True) -> Constraint | None:
+    if tool_choice is not None and not tools and tool_choice != "none":
+        raise RequestRejected("tool_choice needs tools", "tool_choice")
+    if not tools or tool_choice == "none":
+        return None
+    by_name = {t.function.name: t.function for t in tools}
+    if len(by_name) != len(tools):
+        raise RequestRejected("tool function names must be unique", "tools")
+    if tool_choice in (None, "auto"):
+        raise RequestRejected(
+            'tool_choice "auto" is not supported: choosing between text and a call needs a parser for this model\'s '
+            'tool-call format; use "required" or name a function ({"type": "function", "function": {"name": ...}})',
+            "tool_choice")
+    if tool_choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _parameters(f)},
+                  "required": ["name", "arguments"], "additionalProperties": False} for name, f in by_name.items()]
+        schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        if not parallel:  # parallel_tool_calls: false -> exactly one call
+            schema["maxItems"] = 1
+        return Constraint(GrammarSpec.json_schema(schema), "tools", ToolMode(None))
+    if isinstance(tool_choice, dict):
+        try:
+            named = NamedToolChoice.model_validate(tool_choice)
+        except ValueError:
+            raise RequestRejected('tool_choice must be "none", "required" or {"type": "function", "function": '
+                                  '{"name": ...}}', "tool_choice") from None
+        function = by_name.get(named.function.name)
+        if function is None:
+            raise RequestRejected(f"tool_choice names {named.function.name!r}, which is not among the tools",
+                                  "tool_choice.function.name")
+        return Constraint(GrammarSpec.json_schema(_parameters(function)), "tools", ToolMode(function.name))
+    raise RequestRejected('tool_choice must be "none", "required" or {"type": "function", "function": {"name": ...}}',
+                          "tool_choice")
+
+
+def _parameters(function: FunctionDef) -> dict:
+    return function.parameters if function.parameters is not None else EMPTY_PARAMETERS
+
+
+class StructuredOutput:
+    """The server's grammar backend and compile cache, created on first use (building
+    the backend's tokenizer index takes a fraction of a second; `warm()` does it ahead)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids, cache_bytes: int = DEFAULT_CACHE_BYTES):
+        self._args = (tokenizer, vocab_size, sorted(stop_ids))
+        self._cache_bytes = cache_bytes
+        self._cache: GrammarCache | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def cache(self) -> GrammarCache:
+        with self._lock:
+            if self._cache is None:
+                from verispec.grammar.llguidance_backend import LLGuidanceBackend
+
+                self._cache = GrammarCache(LLGuidanceBackend(*self._args), self._cache_bytes)
+            return self._cache
+
+    def warm(self) -> None:
+        threading.Thread(target=lambda: self.cache, name="verispec-grammar-warm", daemon=True).start()
+
+    def compile(self, c: Constraint):
+        try:
+            return self.cache.get(c.spec)
+        except GrammarError as e:
+            raise RequestRejected(str(e), e.param or c.param) from None
+
+    async def compile_async(self, c: Constraint):
+        return await asyncio.to_thread(self.compile, c)
+
+    def stats(self) -> dict | None:
+        return self._cache.stats() if self._cache is not None else None
+
+
+def tools_system_note(tools: list[Tool]) -> str:
+    """For chat templates that know nothing of tools: the functions, in the prompt."""
+    listing = [{"name": t.function.name, "description": t.function.description or "",
+                "parameters": _parameters(t.function)} for t in tools]
+    return "You can call these functions. Answer with the call's arguments as JSON.\n" + json.dumps(listing)
