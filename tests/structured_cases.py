@@ -4,9 +4,10 @@ each with a prompt that asks for it.
 Used by tests/test_structured_server.py (every output must validate: jsonschema with
 format checking, re.fullmatch, membership) and by bench/structured.py and
 bench/grammar_backends.py (the same constraints timed). Every string and array is
-bounded (maxLength, maxItems, enum, pattern, format), so a 135M model finishes each
-within the tests' token limit: an unbounded string lets a small model ramble inside it
-until max_tokens, which cuts the JSON ("length") rather than testing the grammar.
+bounded (maxLength, maxItems, enum, pattern, format), and so is every number, so a 135M
+model finishes each within the tests' token limit: an unbounded string or integer lets a
+small model ramble inside it ("1234567890123...") until max_tokens cuts the JSON
+("length"), which tests the model, not the grammar.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ NAME = {"type": "string", "maxLength": 24}
 SCHEMAS: list[SchemaCase] = [
     SchemaCase("person", _obj({"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}}),
                "Describe a fictional person as JSON with a name and an age."),
-    SchemaCase("city", _obj({"city": NAME, "country": NAME, "population": {"type": "integer", "minimum": 1}}),
+    SchemaCase("city", _obj({"city": NAME, "country": NAME, "population": {"type": "integer", "minimum": 1,
+                                                                                  "maximum": 10**8}}),
                "Give the largest city of Japan as JSON: city, country, population."),
-    SchemaCase("boolean_flag", _obj({"is_prime": {"type": "boolean"}, "number": {"type": "integer"}}),
+    SchemaCase("boolean_flag", _obj({"is_prime": {"type": "boolean"},
+                                          "number": {"type": "integer", "minimum": 0, "maximum": 1000}}),
                "Is 7 a prime number? Answer as JSON."),
     SchemaCase("enum_color", _obj({"color": {"enum": ["red", "green", "blue"]}}),
                "What color is the sky on a clear day? Answer as JSON."),
@@ -50,7 +53,7 @@ SCHEMAS: list[SchemaCase] = [
                                                                                 "maximum": 100},
                                                      "minItems": 3, "maxItems": 5}}),
                "List the first few prime numbers as JSON."),
-    SchemaCase("nested_object", _obj({"user": _obj({"id": {"type": "integer", "minimum": 1},
+    SchemaCase("nested_object", _obj({"user": _obj({"id": {"type": "integer", "minimum": 1, "maximum": 99999},
                                                     "profile": _obj({"nickname": NAME,
                                                                      "verified": {"type": "boolean"}})})}),
                "Create a user record with an id and a profile as JSON."),
@@ -141,11 +144,12 @@ CHOICES: list[ChoiceCase] = [
     ChoiceCase("yes_no", ["yes", "no"], "Is water wet?"),
 ]
 
-# A Lark grammar (llguidance's syntax: Lark with lexer regexes); arithmetic over digits
+# A Lark grammar (llguidance's syntax: Lark with lexer regexes and {m,n} repetition): an
+# equation with 2 to 4 numbers on the left
 ARITHMETIC_GRAMMAR = r"""
-start: expr
-expr: term (("+" | "-") term)*
-term: NUMBER (("*" | "/") NUMBER)*
+start: expr "=" NUMBER
+expr: NUMBER (OP NUMBER){1,3}
+OP: "+" | "-" | "*" | "/"
 NUMBER: /[0-9]{1,3}/
 """
 GRAMMAR_PROMPT = "Write an arithmetic expression that equals ten."
@@ -163,4 +167,4 @@ def validate_json(text: str, schema: dict) -> None:
 def arithmetic_ok(text: str) -> bool:
     import re
 
-    return re.fullmatch(r"[0-9]{1,3}([*/][0-9]{1,3})*([+-][0-9]{1,3}([*/][0-9]{1,3})*)*", text) is not None
+    return re.fullmatch(r"[0-9]{1,3}([-+*/][0-9]{1,3}){1,3}=[0-9]{1,3}", text) is not None

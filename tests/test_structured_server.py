@@ -1,0 +1,291 @@
+"""Structured output over the real HTTP wire, with the official `openai` client.
+
+Every conformance case of tests/structured_cases.py (27 JSON schemas, 5 regexes, 3
+choices, a Lark grammar) runs greedy in four lanes on the default model in float32:
+plain serial, plain with 4 concurrent requests with different schemas arriving
+staggered, n-gram speculation, and the shipped DSpark drafter (speculation + batching).
+Oracles: 100% of outputs validate (jsonschema with format checking, re.fullmatch,
+membership); every lane gives the same text as the plain serial lane (greedy is
+token-identical with and without speculation, and a request in a batch gives what it
+gives alone). Plus the API's edges: 400s naming the problem, tools, streaming, n > 1,
+json_object, sampling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.structured_cases import ARITHMETIC_GRAMMAR, CHOICES, GRAMMAR_PROMPT, REGEXES, SCHEMAS, arithmetic_ok, validate_json
+from verispec.server.launch import live_server
+
+pytestmark = pytest.mark.real_model
+
+MODEL = "smollm2-135m-instruct"
+MAX_TOKENS = 160
+LANES = {"plain": ("--no-draft",), "ngram": ("--speculate", "ngram"), "dspark": ()}
+
+
+@pytest.fixture(scope="module")
+def servers(smollm2_folder, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("structured-logs")
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(live_server("--dtype", "float32", *args, log=logs / f"{name}.log"))
+                for name, args in LANES.items()}
+        yield urls
+
+
+def client(base):
+    from openai import OpenAI
+
+    return OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def chat(c, prompt, **kwargs):
+    return c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                     temperature=0, max_tokens=MAX_TOKENS, **kwargs)
+
+
+def run_case(c, kind, case) -> tuple[str, str]:
+    """(text, finish_reason) of one conformance case."""
+    if kind == "schema":
+        fmt = {"type": "json_schema", "json_schema": {"name": case.name, "schema": case.schema, "strict": True}}
+        r = chat(c, case.prompt, response_format=fmt)
+    elif kind == "regex":
+        r = chat(c, case.prompt, extra_body={"guided_regex": case.pattern})
+    elif kind == "choice":
+        r = chat(c, case.prompt, extra_body={"guided_choice": case.choices})
+    else:
+        r = c.completions.create(model=MODEL, prompt=GRAMMAR_PROMPT + "\n", temperature=0, max_tokens=40,
+                                 extra_body={"guided_grammar": ARITHMETIC_GRAMMAR})
+        return r.choices[0].text, r.choices[0].finish_reason
+    return r.choices[0].message.content, r.choices[0].finish_reason
+
+
+CASES = ([("schema", c) for c in SCHEMAS] + [("regex", c) for c in REGEXES] + [("choice", c) for c in CHOICES]
+         + [("grammar", None)])
+
+
+def conforms(kind, case, text) -> str | None:
+    """None when the output is valid, else why not."""
+    try:
+        if kind == "schema":
+            validate_json(text, case.schema)
+        elif kind == "regex" and not re.fullmatch(case.pattern, text):
+            return f"{text!r} does not match {case.pattern}"
+        elif kind == "choice" and text not in case.choices:
+            return f"{text!r} is not one of {case.choices}"
+        elif kind == "grammar" and not arithmetic_ok(text):
+            return f"{text!r} is not an arithmetic expression"
+    except Exception as e:  # noqa: BLE001 - json / jsonschema errors: the reason is the report
+        return f"{text!r}: {type(e).__name__}: {str(e).splitlines()[0]}"
+    return None
+
+
+def name_of(kind, case):
+    return "arithmetic" if case is None else f"{kind}:{case.name}"
+
+
+@pytest.fixture(scope="module")
+def serial(servers):
+    """Every case, one at a time, on every lane."""
+    return {lane: {name_of(k, c): run_case(client(url), k, c) for k, c in CASES} for lane, url in servers.items()}
+
+
+def assert_all_conform(results: dict) -> None:
+    failures = []
+    for kind, case in CASES:
+        name = name_of(kind, case)
+        if name not in results:
+            continue
+        text, finish = results[name]
+        problem = conforms(kind, case, text) or (None if finish == "stop" else f"finish_reason {finish}")
+        if problem:
+            failures.append(f"{name}: {problem}")
+    assert not failures, "outputs that do not conform:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("lane", list(LANES))
+def test_every_output_conforms_serially(serial, lane):
+    assert len(serial[lane]) == len(CASES) >= 36
+    assert_all_conform(serial[lane])
+
+
+@pytest.mark.parametrize("lane", ["ngram", "dspark"])
+def test_speculation_gives_the_same_outputs_as_plain_decoding(serial, lane):
+    differ = [name for name in serial["plain"] if serial[lane][name] != serial["plain"][name]]
+    assert not differ, {name: (serial["plain"][name], serial[lane][name]) for name in differ}
+
+
+@pytest.mark.parametrize("lane", ["plain", "dspark"])
+def test_four_concurrent_requests_with_different_schemas(servers, serial, lane):
+    """Groups of 4 different cases arrive staggered while the others decode: each row has
+    its own matcher, and each gives what it gives alone."""
+    c = client(servers[lane])
+    results, errors = {}, []
+
+    def one(kind, case, delay):
+        time.sleep(delay)
+        try:
+            results[name_of(kind, case)] = run_case(c, kind, case)
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    for start in range(0, len(CASES), 4):
+        group = CASES[start : start + 4]
+        threads = [threading.Thread(target=one, args=(k, case, 0.15 * i)) for i, (k, case) in enumerate(group)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors
+    assert_all_conform(results)
+    differ = [n for n in results if results[n] != serial["plain"][n]]
+    assert not differ, {n: (serial["plain"][n], results[n]) for n in differ}
+
+
+def test_the_dspark_drafter_speculated_under_grammars(servers, serial):
+    stats = httpx.get(servers["dspark"] + "/stats").json()
+    spec = stats["speculation"]
+    assert spec is not None and spec["drafted"] > 0 and spec["accepted"] > 0
+    assert stats["grammar_cache"]["compiles"] <= len(CASES), "each constraint compiled once"
+
+
+# -- the API's edges ----------------------------------------------------------------------------
+
+
+def post(base, body, path="/v1/chat/completions"):
+    return httpx.post(base + path, json={"model": MODEL, **body}, timeout=120)
+
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"guided_regex": "a(b"}, "guided_regex", "unclosed group"),
+    ({"guided_grammar": "start: foo"}, "guided_grammar", "unknown name"),
+    ({"guided_json": {"type": "wat"}}, "guided_json", "wat"),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                 "schema": {"type": "array", "uniqueItems": True}}}},
+     "response_format.json_schema.schema", "uniqueItems"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "needs a json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", None),
+    ({"guided_regex": "[0-9]", "guided_choice": ["a"]}, "guided_choice", "cannot be combined"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex", "cannot be combined"),
+    ({"guided_choice": []}, "guided_choice", None),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", '"auto" is not supported'),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name", "not among"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+])
+def test_bad_constraints_are_a_400_naming_the_problem(servers, body, param, message):
+    r = post(servers["plain"], {"messages": MESSAGES, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param
+    if message:
+        assert message in error["message"]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("lane", ["plain", "dspark"])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_tool_calls_validate_against_the_function_parameters(servers, lane, stream, choice):
+    c = client(servers[lane])
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], temperature=0,
+                  max_tokens=MAX_TOKENS, tools=[WEATHER, TIME], tool_choice=tool_choice, parallel_tool_calls=False)
+    if stream:
+        calls, finish = {}, None
+        for chunk in c.chat.completions.create(stream=True, **kwargs):
+            for choice_ in chunk.choices:
+                for call in choice_.delta.tool_calls or []:
+                    calls[call.index] = call
+                finish = choice_.finish_reason or finish
+        calls = [calls[i] for i in sorted(calls)]
+    else:
+        r = c.chat.completions.create(**kwargs)
+        calls, finish = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+        assert r.choices[0].message.content is None
+    assert finish == "tool_calls"
+    assert len(calls) == 1 and calls[0].id.startswith("call_") and calls[0].type == "function"
+    function = {"get_weather": WEATHER, "get_time": TIME}[calls[0].function.name]["function"]
+    if choice == "named":
+        assert calls[0].function.name == "get_weather"
+    validate_json(calls[0].function.arguments, function["parameters"])
+
+
+def test_a_tool_result_conversation_continues_with_a_constrained_answer(servers):
+    c = client(servers["plain"])
+    messages = [{"role": "user", "content": "What is the weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    schema = {"type": "object", "properties": {"summary": {"type": "string", "maxLength": 60}}, "required": ["summary"],
+              "additionalProperties": False}
+    r = c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=MAX_TOKENS,
+                                  response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    validate_json(r.choices[0].message.content, schema)
+
+
+def test_json_object_mode_returns_a_json_object(servers):
+    c = client(servers["dspark"])
+    r = chat(c, "Describe a cat as JSON with keys name and color.", response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # an open-ended object may run to the limit: then it is a valid prefix, cut
+        assert r.choices[0].finish_reason == "length"
+        assert r.choices[0].message.content.startswith("{")
+
+
+def test_max_tokens_inside_the_json_finishes_with_length(servers):
+    c = client(servers["dspark"])
+    case = SCHEMAS[-1]
+    fmt = {"type": "json_schema", "json_schema": {"name": case.name, "schema": case.schema}}
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": case.prompt}], temperature=0,
+                                  max_tokens=6, response_format=fmt)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
+    cut, full = r.choices[0].message.content, run_case(c, "schema", case)[0]
+    assert full.startswith(cut) and len(full) > len(cut), "the cut output is a prefix of the complete one"
+
+
+def test_streamed_structured_output_equals_the_whole_answer(servers):
+    c = client(servers["dspark"])
+    case = SCHEMAS[10]
+    fmt = {"type": "json_schema", "json_schema": {"name": case.name, "schema": case.schema}}
+    whole = chat(c, case.prompt, response_format=fmt).choices[0].message.content
+    parts = [ch.choices[0].delta.content or "" for ch in chat(c, case.prompt, response_format=fmt, stream=True)
+             if ch.choices]
+    assert "".join(parts) == whole
+    validate_json(whole, case.schema)
+
+
+@pytest.mark.parametrize("lane", ["plain", "dspark"])
+def test_sampled_choices_all_conform(servers, lane):
+    """n = 4 sampled rows of one request, each with its own matcher, at temperature 1."""
+    c = client(servers[lane])
+    for case in (SCHEMAS[7], SCHEMAS[19], SCHEMAS[26]):
+        fmt = {"type": "json_schema", "json_schema": {"name": case.name, "schema": case.schema}}
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": case.prompt}],
+                                      temperature=1.0, n=4, max_tokens=MAX_TOKENS, response_format=fmt)
+        for choice in r.choices:
+            assert choice.finish_reason == "stop", choice
+            validate_json(choice.message.content, case.schema)
