@@ -258,11 +258,12 @@ def test_masking_after_top_k_instead_of_before_is_caught(tiny_vocab, monkeypatch
     exact = exact_masked(reference, FirstTokens(), 3)
     original = runner.process_logits
 
-    def mask_last(logits, params, prompts=None, histories=None, allowed=None):
+    def mask_last(logits, params, prompts=None, histories=None, grammar_mask=None):
         scores = original(logits, params, prompts, histories).clone()
-        if allowed is not None:
-            rows, mask = allowed
-            scores[rows] = scores[rows].masked_fill(~mask, -math.inf)
+        if grammar_mask is not None:
+            rows, forbidden = grammar_mask
+            scores[rows if rows is not None else slice(None)] = scores[rows if rows is not None else slice(None)] \
+                .masked_fill(forbidden, -math.inf)
         return scores
 
     monkeypatch.setattr(runner, "process_logits", mask_last)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from verispec.grammar.backend import Matcher, bitmask_to_bool, bitmask_words
+from verispec.grammar.backend import Matcher, bitmask_words, forbidden_tokens
 
 
 class GrammarDeadEnd(RuntimeError):
@@ -29,10 +29,10 @@ class GrammarDeadEnd(RuntimeError):
 
 
 def step_masks(rows: list[tuple[Matcher | None, list[int]]], vocab_size: int
-               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+               ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
     """`rows`: (matcher or None, drafts) per emitting row, in the order of their verify
-    positions. Returns (position index [P], allowed [P, V]) over the grammar rows'
-    positions, or None when no row has a grammar."""
+    positions. Returns (position index [P], forbidden [P, V]) over the grammar rows'
+    positions (index None: every position), or None when no row has a grammar."""
     if all(m is None for m, _ in rows):
         return None
     index, at, n_positions = [], 0, 0
@@ -53,9 +53,9 @@ def step_masks(rows: list[tuple[Matcher | None, list[int]]], vocab_size: int
         matcher.rollback(valid)
         firsts.append((n_positions, matcher))
         n_positions += len(drafts) + 1
-    allowed = bitmask_to_bool(bitmask, vocab_size)
-    alive = allowed[[p for p, _ in firsts]].any(dim=-1).tolist()
-    for (_, matcher), ok in zip(firsts, alive):
-        if not ok:
+    forbidden = forbidden_tokens(bitmask, vocab_size)
+    dead = forbidden[[p for p, _ in firsts]].all(dim=-1).tolist()
+    for (_, matcher), no_token in zip(firsts, dead):
+        if no_token:
             raise GrammarDeadEnd(f"the grammar allows no next token: {matcher.error or 'no token can continue the output'}")
-    return torch.tensor(index, dtype=torch.long), allowed
+    return (None if len(index) == at else torch.tensor(index, dtype=torch.long)), forbidden

@@ -128,9 +128,9 @@ def _decide(work: list[Work]) -> list[tuple[Work, list[TokenInfo]]]:
             if penalties:
                 prompts.append(w.row.prompt_tensor)
                 histories.append(w.row.output + drafts[:j] if j else w.row.output)
-    allowed = step_masks([(w.row.grammar, w.draft.tokens) for w in work], logits.shape[1])
+    grammar_mask = step_masks([(w.row.grammar, w.draft.tokens) for w in work], logits.shape[1])
     processed = process_logits(logits, params, prompts if penalties else None, histories if penalties else None,
-                               allowed)
+                               grammar_mask)
     decisions = verify(processed, [VerifyRow(w.row.params, w.row.generator, w.draft.tokens, w.draft.q) for w in work])
     out, at = [], 0
     for w, (n_kept, next_token) in zip(work, decisions):

@@ -210,14 +210,15 @@ def process_logits(
     params: Sequence[SamplingParams],
     prompt_histories: Sequence[History | None] | None = None,
     output_histories: Sequence[History | None] | None = None,
-    allowed: tuple[torch.Tensor, torch.Tensor] | None = None,
+    grammar_mask: tuple[torch.Tensor | None, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Apply every request's processors to its rows (order in the module docstring).
 
     ``logits`` is ``[N, V]`` (any float dtype; computed in float32). ``params[i]``,
     ``prompt_histories[i]`` and ``output_histories[i]`` belong to row ``i``; histories
-    are needed only for rows with penalties (a ``None`` entry means empty). ``allowed``
-    is ``(row index [P], bool [P, V])``: the grammar masks of the rows that have one. Token ids
+    are needed only for rows with penalties (a ``None`` entry means empty).
+    ``grammar_mask`` is ``(row index [P] or None for every row, forbidden bool [P, V])``:
+    the grammar masks of the rows that have one (engine/grammar_masks.py). Token ids
     outside ``[0, V)`` in a history are ignored: a model whose embedding table is
     larger than its output head can never produce them (HF does the same). Histories
     are cheapest as 1-D LongTensors on the logits' device: a Python list is converted
@@ -233,15 +234,20 @@ def process_logits(
     if len(params) != num_rows:
         raise ValueError(f"got {len(params)} SamplingParams for {num_rows} logits rows")
     # Fast path: plain greedy decoding must cost next to nothing per token.
-    if allowed is None and all(p._noop for p in params):
+    if grammar_mask is None and all(p._noop for p in params):
         return logits.float()
 
     scores = logits.to(torch.float32, copy=True)
     _apply_logit_bias(scores, params)
     _apply_penalties(scores, params, prompt_histories, output_histories)
-    if allowed is not None:
-        rows, mask = allowed
-        scores[rows] = scores[rows].masked_fill_(~mask.to(scores.device), -math.inf)
+    if grammar_mask is not None:
+        rows, forbidden = grammar_mask
+        forbidden = forbidden.to(scores.device)
+        if rows is None:
+            scores.masked_fill_(forbidden, -math.inf)
+        else:
+            rows = rows.to(scores.device)
+            scores[rows] = scores[rows].masked_fill_(forbidden, -math.inf)
     _apply_warpers(scores, params)
     return scores
 
