@@ -1,7 +1,9 @@
 """Structured output benchmark: what a grammar costs, in every lane, in one run.
 
 Model: SmolLM2-135M-Instruct (bf16 by default, the serving default), greedy, 2 threads,
-in-process engines: plain, n-gram speculation, the shipped DSpark drafter. Prompts: the
+in-process engines: unforced (no speculation at all), plain (the default without a
+drafter: only the tokens a grammar forces are verified as drafts), n-gram speculation,
+the shipped DSpark drafter. Prompts: the
 conformance cases of tests/structured_cases.py (27 JSON schemas, 5 regexes, 3 choices,
 one grammar), each asking for its format.
 
@@ -24,7 +26,7 @@ so both arms decode the same number of tokens at the same context lengths. Repor
 Target: grammar overhead <= 5% of decode tok/s in every lane (the grammar share; the
 ratio is printed next to it).
 
-    .venv/bin/python bench/structured.py [--cases 36] [--dtype bfloat16] [--engines plain,ngram,dspark]
+    .venv/bin/python bench/structured.py [--cases 36] [--dtype bfloat16] [--engines unforced,plain,ngram,dspark]
 """
 
 from __future__ import annotations
@@ -104,13 +106,14 @@ def build_engines(loaded, names, dtype):
 
     engines = {}
     for name in names:
-        drafter = {"plain": lambda: None,
+        drafter = {"unforced": lambda: None,
+                   "plain": lambda: None,
                    "ngram": lambda: build_drafter(loaded, "ngram", None, dtype),
                    "dspark": lambda: build_drafter(loaded, None, None, dtype)}[name]()
         if name == "dspark" and drafter is None:
             raise SystemExit("the default model has no shipped DSpark drafter")
-        engines[name] = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, EngineConfig(kv_budget=2**32),
-                               drafter=drafter)
+        config = EngineConfig(kv_budget=2**32, forced_drafts=name != "unforced")
+        engines[name] = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, config, drafter=drafter)
     return engines
 
 
@@ -210,7 +213,9 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=36, help="how many conformance cases to run (default: all 36)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--engines", default="plain,ngram,dspark")
+    ap.add_argument("--engines", default="unforced,plain,ngram,dspark",
+                    help="unforced: no speculation at all; plain: forced-token drafts only (the default with no "
+                         "drafter); ngram; dspark (the shipped drafter)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 

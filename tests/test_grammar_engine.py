@@ -25,7 +25,7 @@ from transformers import LlamaConfig
 
 from tests.test_spec import TINY_VOCAB, chi_square_p
 from tests.tiny_models import CharTokenizer, build_reference, family_configs, reference_logits
-from tests.token_grammars import CompiledTokenGrammar, DeadEnd, EndsWithEos, NoMultiplesOf, Phrase
+from tests.token_grammars import CompiledTokenGrammar, DeadEnd, EndsWithEos, NoMultiplesOf, Phrase, Template
 from verispec.engine import sampling
 from verispec.engine.engine import Engine, EngineConfig
 from verispec.engine.request import Collector, GenerationRequest
@@ -75,7 +75,7 @@ PROMPTS = [[5, 9, 14, 3, 5, 9, 14, 3, 5, 9], [22, 8, 22, 8, 22, 8, 1], [40, 41, 
 
 
 def grammars():
-    return [Phrase(), NoMultiplesOf(5, 17, VOCAB), None, NoMultiplesOf(3, 9, VOCAB)]
+    return [Phrase(), NoMultiplesOf(5, 17, VOCAB), None, Template()]
 
 
 def run_staggered(engine, limits, compiled, params=None):
@@ -131,6 +131,29 @@ def test_grammar_with_speculation_equals_grammar_without(models, source):
         # multiple of the burst)
         assert totals.accepted > 0
     assert engine.cache.bytes_in_use == 0
+
+
+@pytest.mark.parametrize("source", [None, "draft-model"])
+def test_forced_token_drafts_change_nothing_but_the_number_of_steps(models, source):
+    """The tokens a grammar forces are verified as drafts: the same output as decoding
+    them one step each, in fewer steps; with a drafter, the forced rows skip it."""
+    _, target, draft = models
+
+    def run(forced):
+        drafter = TwoModelProvider(draft, max_draft=63) if source else None
+        engine = engine_for(target, drafter, k=5, prefill_chunk=4, forced_drafts=forced)
+        results = run_staggered(engine, LIMITS, [CompiledTokenGrammar(g) if g else None for g in grammars()])
+        return results, engine
+
+    (off, engine_off), (on, engine_on) = run(False), run(True)
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    stats = engine_on.stats()["forced_drafts"]
+    assert stats["drafted"] > 0 and stats["accepted"] == stats["drafted"], "greedy keeps what the grammar forces"
+    assert engine_off.stats()["forced_drafts"]["drafted"] == 0
+    assert engine_on.metrics.steps < engine_off.metrics.steps
+    if source:
+        template = on[3].speculation
+        assert template["forced_drafted"] > 0 and template["forced_accepted"] == template["forced_drafted"]
 
 
 def test_eos_is_allowed_only_once_the_grammar_is_complete(models):

@@ -1,13 +1,13 @@
 """Structured output over the real HTTP wire, with the official `openai` client.
 
 Every conformance case of tests/structured_cases.py (27 JSON schemas, 5 regexes, 3
-choices, a Lark grammar) runs greedy in four lanes on the default model in float32:
-plain serial, plain with 4 concurrent requests with different schemas arriving
-staggered, n-gram speculation, and the shipped DSpark drafter (speculation + batching).
+choices, a Lark grammar) runs greedy on the default model in float32, serially in four
+lanes: the reference (no speculation at all: each token its own step), plain with
+forced-token drafts (the default), n-gram speculation and the shipped DSpark drafter;
+then 4 concurrent requests with different schemas arriving staggered, plain and DSpark.
 Oracles: 100% of outputs validate (jsonschema with format checking, re.fullmatch,
-membership); every lane gives the same text as the plain serial lane (greedy is
-token-identical with and without speculation, and a request in a batch gives what it
-gives alone). Plus the API's edges: 400s naming the problem, tools, streaming, n > 1,
+membership); every lane gives the reference's text (greedy is token-identical with and
+without speculation, and a request in a batch gives what it gives alone). Plus the API's edges: 400s naming the problem, tools, streaming, n > 1,
 json_object, sampling.
 """
 
@@ -29,7 +29,10 @@ pytestmark = pytest.mark.real_model
 
 MODEL = "smollm2-135m-instruct"
 MAX_TOKENS = 160
-LANES = {"plain": ("--no-draft",), "ngram": ("--speculate", "ngram"), "dspark": ()}
+# reference: grammar without any speculation, every token its own step; plain: the same
+# with forced-token drafts (the default); then n-gram and DSpark speculation
+LANES = {"reference": ("--no-draft", "--no-forced-drafts"), "plain": ("--no-draft",), "ngram": ("--speculate", "ngram"),
+         "dspark": ()}
 
 
 @pytest.fixture(scope="module")
@@ -117,10 +120,10 @@ def test_every_output_conforms_serially(serial, lane):
     assert_all_conform(serial[lane])
 
 
-@pytest.mark.parametrize("lane", ["ngram", "dspark"])
-def test_speculation_gives_the_same_outputs_as_plain_decoding(serial, lane):
-    differ = [name for name in serial["plain"] if serial[lane][name] != serial["plain"][name]]
-    assert not differ, {name: (serial["plain"][name], serial[lane][name]) for name in differ}
+@pytest.mark.parametrize("lane", ["plain", "ngram", "dspark"])
+def test_speculation_gives_the_same_outputs_as_decoding_without_it(serial, lane):
+    differ = [name for name in serial["reference"] if serial[lane][name] != serial["reference"][name]]
+    assert not differ, {name: (serial["reference"][name], serial[lane][name]) for name in differ}
 
 
 @pytest.mark.parametrize("lane", ["plain", "dspark"])
@@ -146,15 +149,19 @@ def test_four_concurrent_requests_with_different_schemas(servers, serial, lane):
             t.join()
     assert not errors
     assert_all_conform(results)
-    differ = [n for n in results if results[n] != serial["plain"][n]]
-    assert not differ, {n: (serial["plain"][n], results[n]) for n in differ}
+    differ = [n for n in results if results[n] != serial["reference"][n]]
+    assert not differ, {n: (serial["reference"][n], results[n]) for n in differ}
 
 
-def test_the_dspark_drafter_speculated_under_grammars(servers, serial):
+def test_the_dspark_drafter_and_forced_drafts_were_exercised(servers, serial):
     stats = httpx.get(servers["dspark"] + "/stats").json()
     spec = stats["speculation"]
     assert spec is not None and spec["drafted"] > 0 and spec["accepted"] > 0
+    assert spec["drafted"] > stats["forced_drafts"]["drafted"], "the drafter drafted, not only the grammar"
     assert stats["grammar_cache"]["compiles"] <= len(CASES), "each constraint compiled once"
+    plain = httpx.get(servers["plain"] + "/stats").json()["forced_drafts"]
+    assert plain["drafted"] > 0 and plain["accepted"] > 0
+    assert httpx.get(servers["reference"] + "/stats").json()["forced_drafts"]["drafted"] == 0
 
 
 # -- the API's edges ----------------------------------------------------------------------------

@@ -57,6 +57,28 @@ class Phrase(TokenGrammar):
         return 50 in prefix and len(prefix) == prefix.index(50) + 2
 
 
+class Template(TokenGrammar):
+    """Fixed runs with free slots between them, like a JSON schema's punctuation and
+    property names around its values: 10 11 12, one of 20..29, 30 31 32 33, one of 40..44,
+    44 (runs of forced tokens for forced-token drafting)."""
+
+    PARTS = ([10, 11, 12], set(range(20, 30)), [30, 31, 32, 33], set(range(40, 45)), [44])
+
+    def _expected(self):
+        for part in self.PARTS:
+            if isinstance(part, list):
+                yield from ({t} for t in part)
+            else:
+                yield part
+
+    def allowed(self, prefix):
+        expected = list(self._expected())
+        return expected[len(prefix)] if len(prefix) < len(expected) else set()
+
+    def complete(self, prefix):
+        return len(prefix) == len(list(self._expected()))
+
+
 class DeadEnd(TokenGrammar):
     """Two tokens, then nothing allowed and not complete: the engine must fail the row
     instead of sampling from an all-masked distribution."""
@@ -116,6 +138,19 @@ class TokenGrammarMatcher:
     def rollback(self, n: int) -> None:
         if n:
             del self.prefix[-n:]
+
+    def forced(self, max_n: int) -> list[int]:
+        """Tokens that are the only choice, one after another (EOS choices end the run)."""
+        saved, out = list(self.prefix), []
+        while len(out) < max_n:
+            allowed = self._allowed()
+            if len(allowed) != 1 or allowed & set(self.grammar.eos):
+                break
+            token = next(iter(allowed))
+            self.prefix.append(token)
+            out.append(token)
+        self.prefix = saved
+        return out
 
     @property
     def accepting(self) -> bool:

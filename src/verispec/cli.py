@@ -26,6 +26,8 @@ examples:
   verispec generate -m gemma3-270m --raw --max-tokens 64 "Once upon a time"
   verispec generate --temperature 0.8 --top-p 0.95 --seed 7 "Tell me a story"
   verispec generate --speculate ngram "Repeat this paragraph, fixing typos: ..."
+  verispec generate --json-schema person.json "Describe a person"  output validates against a schema
+  verispec generate --choice yes --choice no "Is water wet?"     exactly one of the choices
   verispec serve --draft-model ./smaller-same-tokenizer-model
   verispec models                                           list the embedded models
   verispec pull gemma3-270m                                 fetch + convert once
@@ -53,6 +55,18 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--logprobs", type=int, default=None, metavar="N", help="print each token's logprob and N alternatives")
 
 
+def _add_structured_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("structured output (one of; the output is guaranteed to match)").add_mutually_exclusive_group()
+    g.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="a JSON schema: inline JSON or a file path; the output validates against it")
+    g.add_argument("--json", action="store_true", help="any JSON object")
+    g.add_argument("--regex", default=None, help="the output fully matches this regex")
+    g.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                   help="the output is exactly one of these; repeat for each choice")
+    g.add_argument("--grammar", default=None, metavar="LARK",
+                   help="a grammar in llguidance's Lark syntax (inline or a file path); start rule: start")
+
+
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (lossless: the same tokens at temperature 0, the same distribution above)")
     g.add_argument("--speculate", choices=["ngram", "none"], default=None,
@@ -69,6 +83,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="most draft tokens a request verifies per step (default 8); fewer are drafted when they do not pay")
     g.add_argument("--fixed-draft", action="store_true",
                    help="always draft --num-draft-tokens (turn off the cost-based draft length policy)")
+    g.add_argument("--no-forced-drafts", action="store_true",
+                   help="structured output: decode the tokens a grammar forces (JSON punctuation, property names) one "
+                        "step each instead of verifying them as drafts (same output, more steps; for A/B runs)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     gen.add_argument("--quiet-stats", action="store_true", help="do not print the closing stats line")
     _add_sampling_args(gen)
+    _add_structured_args(gen)
     add_spec_args(gen)
 
     serve = sub.add_parser(

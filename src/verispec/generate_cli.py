@@ -54,6 +54,52 @@ def build_prompt(args, loaded) -> list[int]:
     return ids
 
 
+def grammar_spec_from_args(args):
+    """The structured-output flags as a GrammarSpec (None: free text)."""
+    import json
+    from pathlib import Path
+
+    from verispec.grammar.spec import GrammarSpec
+
+    def inline_or_file(value: str) -> str:
+        path = Path(value)
+        if len(value) < 4096 and "\n" not in value and path.is_file():
+            return path.read_text()
+        return value
+
+    if args.json_schema is not None:
+        text = inline_or_file(args.json_schema)
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"--json-schema is neither a file nor valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise UserError("--json-schema must be a JSON schema (an object)")
+        return GrammarSpec.json_schema(schema)
+    if args.json:
+        return GrammarSpec.json_object()
+    if args.regex is not None:
+        return GrammarSpec.regex(args.regex)
+    if args.choice is not None:
+        if any(not c for c in args.choice):
+            raise UserError("--choice values must not be empty")
+        return GrammarSpec.choice(args.choice)
+    if args.grammar is not None:
+        return GrammarSpec.grammar(inline_or_file(args.grammar))
+    return None
+
+
+def compile_grammar(spec, loaded):
+    from verispec.grammar.llguidance_backend import LLGuidanceBackend
+    from verispec.grammar.spec import GrammarError
+
+    backend = LLGuidanceBackend(loaded.tokenizer, loaded.model.args.vocab_size, loaded.stop_ids)
+    try:
+        return backend.compile(spec)
+    except GrammarError as e:
+        raise UserError(str(e)) from None
+
+
 def check_context(n_prompt: int, max_tokens: int, context: int) -> int:
     """The number of new tokens that fit; the prompt itself must leave room for one."""
     if n_prompt >= context:
@@ -70,6 +116,7 @@ def run_generate(args) -> int:
 
     params = sampling_params_from_args(args)
     spec_options = engine_options(args)  # flag mistakes before the model loads
+    grammar_spec = grammar_spec_from_args(args)
     if args.max_tokens <= 0:
         raise UserError(f"--max-tokens must be positive, got {args.max_tokens}")
     if args.threads:
@@ -77,6 +124,7 @@ def run_generate(args) -> int:
     loaded = load_model(args.model or DEFAULT_MODEL, dtype=resolve_dtype(args.dtype))
     prompt = build_prompt(args, loaded)
     max_new = check_context(len(prompt), args.max_tokens, loaded.model.args.max_position_embeddings)
+    grammar = compile_grammar(grammar_spec, loaded) if grammar_spec is not None else None
 
     # the same engine as the server, driven inline for one request
     drafter = build_drafter(loaded, args.speculate, args.draft_model, loaded.model.dtype, args.confidence_threshold,
@@ -94,7 +142,7 @@ def run_generate(args) -> int:
         if delta.finished:
             final.append(delta)
 
-    engine.submit(GenerationRequest(prompt, max_new, params), sink)
+    engine.submit(GenerationRequest(prompt, max_new, params, grammar=grammar), sink)
     engine.run_until_idle()
     out.write("\n")
     out.flush()
@@ -119,7 +167,9 @@ def print_logprobs(tokenizer, tokens: list[TokenInfo]) -> None:
 def format_stats(s: GenerationStats, speculation: dict | None = None) -> str:
     spec = ""
     if speculation:
-        spec = (f" | spec: {speculation['accepted']}/{speculation['drafted']} drafts accepted, "
+        forced = (f" (grammar-forced {speculation['forced_accepted']}/{speculation['forced_drafted']})"
+                  if speculation.get("forced_drafted") else "")
+        spec = (f" | spec: {speculation['accepted']}/{speculation['drafted']} drafts accepted{forced}, "
                 f"{speculation['mean_accepted_length']:.2f} tok/round")
     return (
         f"[prompt {s.prompt_tokens} tok | TTFT {s.prefill_s * 1000:.0f} ms ({s.prefill_tok_s:.0f} tok/s prefill) | "

@@ -1,7 +1,8 @@
 """The engine: one loop, continuous batching, every running row in one forward per step.
 
     step():  plan = scheduler.plan()            admit by KV budget, decode rows + prefill chunks
-             drafts = speculator.propose(...)   per decoding row, 0..k tokens (spec/, optional)
+             drafts = speculator.propose(...)   per decoding row, 0..k tokens (spec/, optional;
+                                                a row whose grammar forces tokens drafts those)
              runner.forward(work)               one packed forward: [pending, drafts...] per
                                                 decoding row, the next chunk per prompt
              runner.decide(work)                per-row params in one batched call; verify
@@ -14,6 +15,14 @@ to the engine from any thread through `submit` / `cancel` (a thread-safe inbox, 
 the start of the next step); the engine answers through each request's sink.
 `run_forever()` runs the loop on the calling thread (the server's main thread), `start()`
 in a background thread; `step()` / `run_until_idle()` drive it inline (CLI, tests).
+
+Structured output: a row with a grammar (request.grammar) has its own matcher. Every
+verify position is masked by the grammar's state there (engine/grammar_masks.py), the
+matcher advances as tokens are accepted, and a complete grammar ends the row ("stop").
+Where the grammar leaves only one way on (JSON punctuation, a fixed schema's property
+names), those tokens are the row's draft for the step ("forced-token drafts", on by
+default, with or without a drafter): verified like any draft, so the output is the same,
+in fewer steps.
 
 Failure stays local: a row whose forward or sampling raises is retried alone, and only
 the rows that still fail finish with an error; the others carry on.
@@ -84,6 +93,7 @@ class EngineConfig:
     max_model_len: int | None = None  # context cap; None: the model's own
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS  # most drafts a row verifies per step (with a drafter)
     adaptive_draft: bool = True  # draft only as much as pays (spec/policy.py); False: always the most
+    forced_drafts: bool = True  # a grammar row drafts the tokens its grammar forces (up to num_draft_tokens)
 
     def __post_init__(self):
         for name in ("max_rows", "prefill_chunk", "idle_prefill_chunk", "max_waiting", "num_draft_tokens"):
@@ -287,6 +297,8 @@ class Engine:
             "steps": m.steps,
             "uptime_s": round(time.time() - self.started_at, 1),
             "speculation": self.speculator.stats() if self.speculator is not None else None,
+            "forced_drafts": {"enabled": self.config.forced_drafts, "drafted": m.forced_drafted,
+                              "accepted": m.forced_accepted},
         }
 
     # -- the loop -------------------------------------------------------------------
@@ -310,7 +322,7 @@ class Engine:
             for row in plan.admitted:
                 spec.attach(row)
         prefill_tokens = sum(c.stop - c.start for c in plan.prefill)
-        drafts = spec.propose(plan.decode, len(plan.decode) + prefill_tokens) if spec else None
+        drafts = self._drafts(plan.decode, len(plan.decode) + prefill_tokens)
         work = [Work(row, [row.pending] + (drafts[i].tokens if drafts else []), True,
                      drafts[i] if drafts else Draft(), decode=True) for i, row in enumerate(plan.decode)]
         chunks = {}
@@ -334,6 +346,23 @@ class Engine:
             self._advance(item, infos)
         return True
 
+    def _drafts(self, rows: list[Row], batch_tokens: int) -> list[Draft] | None:
+        """Each decoding row's draft: what its grammar forces, else what its source proposes."""
+        forced = [self._forced(row) for row in rows] if self.config.forced_drafts else [None] * len(rows)
+        spec = self.speculator
+        if spec is None:
+            return [f or Draft() for f in forced] if any(forced) else None
+        ask = [row for row, f in zip(rows, forced) if f is None]
+        proposed = iter(spec.propose(ask, batch_tokens) if ask else ())
+        return [f if f is not None else next(proposed) for f in forced]
+
+    def _forced(self, row: Row) -> Draft | None:
+        if row.grammar is None:
+            return None
+        limit = min(self.config.num_draft_tokens, row.request.max_tokens - len(row.output) - 1)
+        tokens = row.grammar.forced(limit) if limit > 0 else []
+        return Draft(tokens, forced=True) if tokens else None
+
     def _advance(self, item: Work, infos: list[TokenInfo]) -> None:
         """A row's tokens of this step: roll back what verification rejected, tell its
         source, then accept the tokens one at a time (a stop inside a burst ends it there)."""
@@ -341,6 +370,9 @@ class Engine:
         rejected = len(item.draft) - (len(infos) - 1)
         if rejected:
             row.kv.rollback(rejected)
+        if item.draft.forced:
+            self.metrics.forced_drafted += len(item.draft)
+            self.metrics.forced_accepted += len(infos) - 1
         if self.speculator is not None and item.decode:
             self.speculator.commit(row, item.draft, [i.token for i in infos], item.hidden)
         self._observe_latency(row, len(infos))

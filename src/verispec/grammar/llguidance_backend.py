@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,9 @@ class LLGuidanceMatcher:
     def rollback(self, n: int) -> None:
         if n and not self._m.rollback(n):
             raise RuntimeError(f"grammar rollback of {n} tokens failed: {self._m.get_error()}")
+
+    def forced(self, max_n: int) -> list[int]:
+        return self._m.compute_ff_tokens()[:max_n] if max_n > 0 else []
 
     @property
     def accepting(self) -> bool:
@@ -107,7 +111,10 @@ class LLGuidanceBackend:
         text = self.grammar_text(spec)
         matcher = self._llg.LLMatcher(self._tokenizer, text, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {_first_lines(matcher.get_error())}")
+            message = matcher.get_error()
+            if spec.kind in ("regex", "choice"):  # drop the echo of the one-rule grammar it was wrapped in
+                message = re.split(r"\n\s*1 \| start:", message)[0]
+            raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {_first_lines(message)}")
         return LLGuidanceGrammar(spec, matcher, ENTRY_BASE_BYTES + len(text.encode()),
                                  tuple(matcher.get_grammar_warnings()))
 

@@ -40,12 +40,16 @@ def merge_speculation(blocks: list[dict]) -> dict:
     """One request's choices together: counts add up, tau is per round over all of them."""
     rounds = sum(b["rounds"] for b in blocks)
     emitted = sum(b["mean_accepted_length"] * b["rounds"] for b in blocks)
-    return {
+    merged = {
         "drafted": sum(b["drafted"] for b in blocks),
         "accepted": sum(b["accepted"] for b in blocks),
         "rounds": rounds,
         "mean_accepted_length": round(emitted / rounds, 3) if rounds else 0.0,
     }
+    for key in ("forced_drafted", "forced_accepted"):
+        if any(key in b for b in blocks):
+            merged[key] = sum(b.get(key, 0) for b in blocks)
+    return merged
 
 
 def chat_logprobs(token_text: TokenText, infos: list[TokenInfo]) -> dict:

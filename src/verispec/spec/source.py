@@ -46,6 +46,7 @@ Hidden = tuple[torch.Tensor, ...]
 class Draft:
     tokens: list[int] = field(default_factory=list)
     q: torch.Tensor | None = None  # [len(tokens), V] float32 probabilities each token was drawn from
+    forced: bool = False  # the row's grammar forced these tokens (engine.py); no source drafted them
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -30,16 +30,21 @@ def speculation_enabled() -> bool:
 
 @dataclass
 class RowSpecStats:
-    drafted: int = 0
+    drafted: int = 0  # by the source and by the grammar (forced-token drafts)
     accepted: int = 0
+    forced_drafted: int = 0  # of which the grammar forced
+    forced_accepted: int = 0
     rounds: int = 0  # decode steps (target forwards) of this row
     emitted: int = 0  # tokens those steps produced (kept drafts + the token after them)
     estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
 
     def usage(self) -> dict:
+        forced = {"forced_drafted": self.forced_drafted, "forced_accepted": self.forced_accepted} \
+            if self.forced_drafted else {}
         return {
             "drafted": self.drafted,
             "accepted": self.accepted,
+            **forced,
             "rounds": self.rounds,
             # tokens per target forward, the bonus token included (DeepSpec's tau)
             "mean_accepted_length": round(self.emitted / self.rounds, 3) if self.rounds else 0.0,
@@ -132,7 +137,12 @@ class Speculator:
             s.emitted += len(emitted)
             s.drafted += len(draft)
             s.accepted += kept
-        if draft.tokens:
+            if draft.forced:
+                s.forced_drafted += len(draft)
+                s.forced_accepted += kept
+        # forced drafts say nothing about the source: its acceptance estimate (which sizes
+        # its drafts) and the per-position curve count only what it proposed
+        if draft.tokens and not draft.forced:
             stats.estimate.update(len(draft), kept)
             self.pool.update(len(draft), kept, memory=POOL_MEMORY)
             for j in range(len(draft)):
