@@ -1,9 +1,10 @@
 """Structured output benchmark: what a grammar costs, in every lane, in one run.
 
 Model: SmolLM2-135M-Instruct (bf16 by default, the serving default), greedy, 2 threads,
-in-process engines: unforced (no speculation at all), plain (the default without a
+in-process engines: plain-unforced (no speculation at all), plain (the default without a
 drafter: only the tokens a grammar forces are verified as drafts), n-gram speculation,
-the shipped DSpark drafter. Prompts: the
+the shipped DSpark drafter with and without forced-token drafts (without: the drafter's
+own acceptance under grammars, which decides whether drafts need masking too). Prompts: the
 conformance cases of tests/structured_cases.py (27 JSON schemas, 5 regexes, 3 choices,
 one grammar), each asking for its format.
 
@@ -26,7 +27,7 @@ so both arms decode the same number of tokens at the same context lengths. Repor
 Target: grammar overhead <= 5% of decode tok/s in every lane (the grammar share; the
 ratio is printed next to it).
 
-    .venv/bin/python bench/structured.py [--cases 36] [--dtype bfloat16] [--engines unforced,plain,ngram,dspark]
+    .venv/bin/python bench/structured.py [--cases 36] [--dtype bfloat16] [--engines plain-unforced,plain,ngram,dspark-unforced,dspark]
 """
 
 from __future__ import annotations
@@ -106,13 +107,15 @@ def build_engines(loaded, names, dtype):
 
     engines = {}
     for name in names:
-        drafter = {"unforced": lambda: None,
-                   "plain": lambda: None,
+        base, _, suffix = name.partition("-")
+        if base not in ("plain", "ngram", "dspark") or suffix not in ("", "unforced"):
+            raise SystemExit(f"unknown engine {name!r}")
+        drafter = {"plain": lambda: None,
                    "ngram": lambda: build_drafter(loaded, "ngram", None, dtype),
-                   "dspark": lambda: build_drafter(loaded, None, None, dtype)}[name]()
-        if name == "dspark" and drafter is None:
+                   "dspark": lambda: build_drafter(loaded, None, None, dtype)}[base]()
+        if base == "dspark" and drafter is None:
             raise SystemExit("the default model has no shipped DSpark drafter")
-        config = EngineConfig(kv_budget=2**32, forced_drafts=name != "unforced")
+        config = EngineConfig(kv_budget=2**32, forced_drafts=suffix != "unforced")
         engines[name] = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, config, drafter=drafter)
     return engines
 
@@ -213,9 +216,10 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=36, help="how many conformance cases to run (default: all 36)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--engines", default="unforced,plain,ngram,dspark",
-                    help="unforced: no speculation at all; plain: forced-token drafts only (the default with no "
-                         "drafter); ngram; dspark (the shipped drafter)")
+    ap.add_argument("--engines", default="plain-unforced,plain,ngram,dspark-unforced,dspark",
+                    help="plain, ngram or dspark (the shipped drafter); -unforced: without forced-token drafts "
+                         "(plain-unforced is no speculation at all; dspark-unforced shows the drafter's own "
+                         "acceptance under grammars)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -253,10 +257,10 @@ def main() -> None:
           f"(llguidance; tokenizer index {setup_s:.2f} s once)")
     print(f"compile per constraint: cold p50 {statistics.median(cold):.2f} ms, max {max(cold):.2f} ms; "
           f"cached p50 {statistics.median(cached) * 1e3:.1f} us, max {max(cached) * 1e3:.1f} us")
-    print(f"{'lane':<13}{'engine':<8}{'tok/s grammar':>14}{'tok/s free':>11}{'ratio':>7}{'grammar share':>14}"
+    print(f"{'lane':<13}{'engine':<17}{'tok/s grammar':>14}{'tok/s free':>11}{'ratio':>7}{'grammar share':>14}"
           f"{'tau grammar':>12}{'tau free':>9}{'<=5%':>6}")
     for r in rows:
-        print(f"{r['lane']:<13}{r['engine']:<8}{r['tok_s_grammar']:>14.1f}{r['tok_s_free']:>11.1f}{r['ratio']:>7.2f}"
+        print(f"{r['lane']:<13}{r['engine']:<17}{r['tok_s_grammar']:>14.1f}{r['tok_s_free']:>11.1f}{r['ratio']:>7.2f}"
               f"{r['grammar_share'] * 100:>13.2f}%{r['tau_grammar']:>12.2f}{r['tau_free']:>9.2f}"
               f"{'yes' if r['meets_target'] else 'NO':>6}")
     print(json.dumps({"bench": "structured", "model": "smollm2-135m-instruct", "dtype": args.dtype,

@@ -64,6 +64,7 @@ from verispec.engine.runner import Work
 from verispec.engine.scheduler import Scheduler
 from verispec.models.decoder import Decoder
 from verispec.spec.source import Draft, DraftProvider
+from verispec.spec.speculator import RowSpecStats
 
 log = logging.getLogger("verispec.engine")
 
@@ -375,6 +376,11 @@ class Engine:
             self.metrics.forced_accepted += len(infos) - 1
         if self.speculator is not None and item.decode:
             self.speculator.commit(row, item.draft, [i.token for i in infos], item.hidden)
+        elif item.decode and row.grammar is not None and self.config.forced_drafts:
+            # no drafter, but the grammar drafts: the same usage block a drafter's rows get
+            if row.spec is None:
+                row.spec = RowSpecStats()
+            row.spec.record(item.draft, len(infos))
         self._observe_latency(row, len(infos))
         for info in infos:
             self._accept(row, info)

@@ -38,6 +38,16 @@ class RowSpecStats:
     emitted: int = 0  # tokens those steps produced (kept drafts + the token after them)
     estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
 
+    def record(self, draft: Draft, n_emitted: int) -> None:
+        """One decode round: `draft` was verified and `n_emitted` tokens came out."""
+        self.rounds += 1
+        self.emitted += n_emitted
+        self.drafted += len(draft)
+        self.accepted += n_emitted - 1
+        if draft.forced:
+            self.forced_drafted += len(draft)
+            self.forced_accepted += n_emitted - 1
+
     def usage(self) -> dict:
         forced = {"forced_drafted": self.forced_drafted, "forced_accepted": self.forced_accepted} \
             if self.forced_drafted else {}
@@ -133,13 +143,7 @@ class Speculator:
         stats = row.spec
         kept = len(emitted) - 1
         for s in (stats, self.totals):
-            s.rounds += 1
-            s.emitted += len(emitted)
-            s.drafted += len(draft)
-            s.accepted += kept
-            if draft.forced:
-                s.forced_drafted += len(draft)
-                s.forced_accepted += kept
+            s.record(draft, len(emitted))
         # forced drafts say nothing about the source: its acceptance estimate (which sizes
         # its drafts) and the per-position curve count only what it proposed
         if draft.tokens and not draft.forced:
