@@ -44,9 +44,9 @@ EXCLUSIVE_DISTS = {"llguidance": ["llguidance"], "xgrammar": ["xgrammar", "apach
 # model loop on newlines inside an object until max_tokens)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 XGRAMMAR_ARITHMETIC = r'''
-root ::= expr
-expr ::= term (("+" | "-") term)*
-term ::= number (("*" | "/") number)*
+root ::= expr "=" number
+expr ::= number op number (op number)? (op number)?
+op ::= "+" | "-" | "*" | "/"
 number ::= [0-9] | [0-9] [0-9] | [0-9] [0-9] [0-9]
 '''
 
@@ -179,7 +179,7 @@ def random_walk(llg: Llg, kind, spec, rng: random.Random, limit: int) -> list[in
     return seq
 
 
-def measure(backend, cases, walks) -> dict:
+def measure(backend, cases, walks, hf) -> dict:
     compile_ms, fill_us, accept_us, failures = {}, [], [], []
     for (name, kind, spec), seq in zip(cases, walks):
         t = time.perf_counter()
@@ -190,7 +190,7 @@ def measure(backend, cases, walks) -> dict:
             continue
         compile_ms[name] = (time.perf_counter() - t) * 1e3
         mask = backend.new_mask()
-        for token in seq:
+        for i, token in enumerate(seq):
             t = time.perf_counter()
             backend.fill(matcher, mask)
             t1 = time.perf_counter()
@@ -198,7 +198,8 @@ def measure(backend, cases, walks) -> dict:
             accept_us.append((time.perf_counter() - t1) * 1e6)
             fill_us.append((t1 - t) * 1e6)
             if not ok:
-                failures.append(f"{name}: rejected a token the other backend accepted")
+                failures.append(f"{name}: rejected {hf.decode([token])!r} (id {token}) after {hf.decode(seq[:i])!r}, "
+                                "which llguidance allowed")
                 break
     return {"compile_ms": compile_ms, "fill_us": fill_us, "accept_us": accept_us, "failures": failures}
 
@@ -235,7 +236,7 @@ def main() -> None:
     cases = constraints()
     rng = random.Random(args.seed)
     walks = [random_walk(backends[0], kind, spec, rng, args.walk_tokens) for _, kind, spec in cases]
-    results = {b.name: measure(b, cases, walks) for b in backends}
+    results = {b.name: measure(b, cases, walks, hf) for b in backends}
 
     rows = []
     print(f"\n{len(cases)} constraints, {sum(map(len, walks))} replayed tokens")
