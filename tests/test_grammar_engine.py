@@ -21,10 +21,9 @@ from unittest import mock
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
-from tests.test_spec import TINY_VOCAB, chi_square_p
-from tests.tiny_models import CharTokenizer, build_reference, family_configs, reference_logits
+from tests.test_spec import chi_square_p
+from tests.tiny_models import TINY_VOCAB, CharTokenizer, build_reference, family_configs, reference_logits, tiny_vocab_pair
 from tests.token_grammars import CompiledTokenGrammar, DeadEnd, EndsWithEos, NoMultiplesOf, Phrase, Template
 from verispec.engine import sampling
 from verispec.engine.engine import Engine, EngineConfig
@@ -205,13 +204,7 @@ class FirstTokens(NoMultiplesOf):
 
 @pytest.fixture(scope="module")
 def tiny_vocab(tmp_path_factory):
-    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-                         initializer_range=0.3, tie_word_embeddings=False)
-    folder = tmp_path_factory.mktemp("grammar-tiny-vocab")
-    reference = build_reference(config, folder / "target", seed=10)
-    build_reference(config, folder / "draft", seed=11)
-    return reference, load_folder(folder / "target"), load_folder(folder / "draft")
+    return tiny_vocab_pair(tmp_path_factory.mktemp("grammar-tiny-vocab"))
 
 
 PROMPT = [1, 4, 2]

@@ -21,9 +21,8 @@ from unittest import mock
 import pytest
 import torch
 from scipy import stats
-from transformers import LlamaConfig
 
-from tests.tiny_models import CharTokenizer, build_reference, family_configs, reference_greedy
+from tests.tiny_models import CharTokenizer, build_reference, family_configs, reference_greedy, tiny_vocab_pair
 from verispec.engine.engine import Engine, EngineConfig
 from verispec.engine.request import Collector, GenerationRequest
 from verispec.engine import sampling
@@ -117,18 +116,10 @@ def test_speculation_off_by_environment(family, monkeypatch):
 
 # -- temperature > 0 with a draft distribution: a statistical test --------------------------
 
-TINY_VOCAB = 6
-
-
 @pytest.fixture(scope="module")
 def tiny_vocab_models(tmp_path_factory):
-    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-                         initializer_range=0.3, tie_word_embeddings=False)
-    folder = tmp_path_factory.mktemp("tiny-vocab")
-    build_reference(config, folder / "target", seed=10)
-    build_reference(config, folder / "draft", seed=11)
-    return load_folder(folder / "target"), load_folder(folder / "draft")
+    _, target, draft = tiny_vocab_pair(tmp_path_factory.mktemp("tiny-vocab"))
+    return target, draft
 
 
 PROMPT = [1, 4, 2]

@@ -66,6 +66,22 @@ def family_configs() -> dict:
     }
 
 
+TINY_VOCAB = 6
+
+
+def tiny_vocab_pair(folder):
+    """A target and a drafter on a 6-token vocabulary (statistical tests enumerate every
+    continuation): (transformers target, our target, our drafter)."""
+    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                         initializer_range=0.3, tie_word_embeddings=False)
+    from verispec.models.loader import load_folder
+
+    reference = build_reference(config, folder / "target", seed=10)
+    build_reference(config, folder / "draft", seed=11)
+    return reference, load_folder(folder / "target"), load_folder(folder / "draft")
+
+
 def build_reference(config, folder, seed: int = 0):
     """A transformers model with random weights (norm weights too, so the (1 + w)
     convention is exercised), saved to `folder`; returned in eval mode, eager attention."""
