@@ -118,18 +118,36 @@ def test_bitmask_layout_matches_packbits():
 # -- llguidance on the real tokenizer ---------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def backend(smollm2_folder):
+@dataclass
+class RealTokenizer:
+    backend: object
+    tokenizer: object
+    stop_ids: list[int]
+    short: set[int]  # ids whose text is at most 2 characters: walks that prefer them end sooner
+
+
+def real_tokenizer(folder) -> RealTokenizer:
     from verispec.grammar.llguidance_backend import LLGuidanceBackend
-    from verispec.models.tokenizer import load_tokenizer
+    from verispec.models.loader import read_config
+    from verispec.models.tokenizer import load_tokenizer, stop_token_ids
 
-    tokenizer = load_tokenizer(smollm2_folder)
-    return LLGuidanceBackend(tokenizer, 49152, [0, 2]), tokenizer
+    tokenizer = load_tokenizer(folder)
+    stops = stop_token_ids(folder, tokenizer)
+    vocab = read_config(folder)["vocab_size"]
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    short = {i for i, p in enumerate(pieces) if p is not None and len(p) <= 2}
+    return RealTokenizer(LLGuidanceBackend(tokenizer, vocab, stops), tokenizer, stops, short)
 
 
-def walk(backend, spec: GrammarSpec, seed: int, limit: int = 400) -> tuple[str, bool]:
+@pytest.fixture(scope="module", params=["smollm2", "gemma"])
+def backend(request):
+    """SmolLM2's byte-level BPE (49k) and Gemma 3's SentencePiece-style vocabulary (262k)."""
+    return real_tokenizer(request.getfixturevalue(f"{request.param}_folder"))
+
+
+def walk(backend: RealTokenizer, spec: GrammarSpec, seed: int, limit: int = 400) -> tuple[str, bool]:
     """Random allowed tokens until the grammar stops (or EOS is taken once allowed)."""
-    be, tokenizer = backend
+    be, tokenizer, stops = backend.backend, backend.tokenizer, set(backend.stop_ids)
     matcher = be.compile(spec).new_matcher()
     rng = random.Random(seed)
     mask = torch.empty(1, bitmask_words(be.vocab_size), dtype=torch.int32)
@@ -138,15 +156,16 @@ def walk(backend, spec: GrammarSpec, seed: int, limit: int = 400) -> tuple[str, 
         matcher.fill_bitmask(mask, 0)
         allowed = bitmask_to_bool(mask, be.vocab_size)[0].nonzero().flatten().tolist()
         assert allowed, "a live grammar always allows something"
-        if matcher.accepting and rng.random() < 0.5:
-            assert 2 in allowed and 0 in allowed, "every stop id is allowed once the output is complete"
-            return tokenizer.decode(tokens), True
-        if not matcher.accepting:
-            assert 0 not in allowed and 2 not in allowed, "EOS is masked until the output is complete"
-        allowed = [t for t in allowed if t not in (0, 2)]
-        # prefer short tokens (closing brackets, digits) half the time, so walks end
-        token = rng.choice(sorted(allowed, key=lambda t: len(tokenizer.decode([t])))[:20] if rng.random() < 0.5
-                           else allowed)
+        if matcher.accepting:
+            assert stops <= set(allowed), "every stop id is allowed once the output is complete"
+            if rng.random() < 0.5:
+                return tokenizer.decode(tokens), True
+        else:
+            assert not stops & set(allowed), "EOS is masked until the output is complete"
+        allowed = [t for t in allowed if t not in stops]
+        short = [t for t in allowed if t in backend.short]
+        # short tokens (closing brackets, digits) half the time, so walks end
+        token = rng.choice(short if short and rng.random() < 0.5 else allowed)
         assert matcher.consume(token)
         tokens.append(token)
     return tokenizer.decode(tokens), matcher.stopped
@@ -175,19 +194,22 @@ def test_regex_choice_and_grammar_masks_allow_only_matches(backend):
         assert complete and text in case.choices
     for seed in range(3):
         text, complete = walk(backend, GrammarSpec.grammar(ARITHMETIC_GRAMMAR), seed, limit=30)
-        if complete:
-            assert arithmetic_ok(text), text
+        assert complete and arithmetic_ok(text), text
+    gbnf = 'root ::= answer " because " reason\nanswer ::= "yes" | "no"\nreason ::= [a-z ]{1,30} "."\n'
+    for seed in range(3):
+        text, complete = walk(backend, GrammarSpec.grammar(gbnf), seed, limit=60)
+        assert complete and re.fullmatch(r"(yes|no) because [a-z ]{1,30}\.", text), text
 
 
 @pytest.mark.real_model
 def test_validate_and_rollback_walk_drafts_without_moving_the_matcher(backend):
-    be, tokenizer = backend
+    be, tokenizer = backend.backend, backend.tokenizer
     spec = GrammarSpec.json_schema(SCHEMAS[0].schema)
     matcher = be.compile(spec).new_matcher()
     good = tokenizer.encode('{"name": "Ann", "age": 3', add_special_tokens=False)
-    bad = good[:3] + tokenizer.encode("}", add_special_tokens=False)
+    bad = good + tokenizer.encode("x", add_special_tokens=False)  # a letter cannot follow the number
     assert matcher.validate(good) == len(good)
-    assert matcher.validate(bad) == 3
+    assert matcher.validate(bad) == len(good)
     for t in good[:4]:
         assert matcher.consume(t)
     matcher.rollback(4)
@@ -198,16 +220,17 @@ def test_validate_and_rollback_walk_drafts_without_moving_the_matcher(backend):
 @pytest.mark.parametrize("spec, message", [
     (GrammarSpec.regex("a(b"), "unclosed group"),
     (GrammarSpec.grammar("start: foo"), "unknown name"),
+    (GrammarSpec.grammar("root ::= ("), "read as GBNF"),
     (GrammarSpec.json_schema({"type": "wat"}), "wat"),
     (GrammarSpec.json_schema({"type": "array", "uniqueItems": True}), "uniqueItems"),
 ])
 def test_invalid_constraints_raise_a_message_naming_the_problem(backend, spec, message):
     with pytest.raises(GrammarError, match=message):
-        backend[0].compile(spec)
+        backend.backend.compile(spec)
 
 
 @pytest.mark.real_model
 def test_a_non_strict_schema_ignores_keywords_it_cannot_enforce(backend):
-    compiled = backend[0].compile(GrammarSpec.json_schema({"type": "array", "uniqueItems": True,
+    compiled = backend.backend.compile(GrammarSpec.json_schema({"type": "array", "uniqueItems": True,
                                                            "items": {"type": "integer"}}, strict=False))
     assert any("uniqueItems" in w for w in compiled.warnings)

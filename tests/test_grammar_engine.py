@@ -155,6 +155,44 @@ def test_forced_token_drafts_change_nothing_but_the_number_of_steps(models, sour
     assert template["mean_accepted_length"] > 1
 
 
+class OracleDrafts:
+    """A draft source that proposes the known answer and junk after its end, so a round's
+    burst runs past the grammar's completion."""
+
+    def __init__(self, answer: list[int], junk: int):
+        from verispec.spec.source import Draft, DraftProvider, DraftSource
+
+        class Source(DraftSource):
+            def __init__(self, context):
+                self.output = context.output
+
+            def draft(self, pending, max_n):
+                rest = answer[len(self.output):]
+                return Draft((rest + [junk] * max_n)[:max_n])
+
+        class Provider(DraftProvider):
+            name = "oracle"
+
+            def new_source(self, context):
+                return Source(context)
+
+        self.provider = Provider()
+
+
+def test_a_grammar_completing_inside_an_accepted_burst_ends_the_output_there(models):
+    reference, target, _ = models
+    grammar = NoMultiplesOf(5, 17, VOCAB)
+    answer = masked_reference_greedy(reference, PROMPTS[1], 40, grammar)
+    assert len(answer) == 17
+    engine = engine_for(target, OracleDrafts(answer, junk=1).provider, k=5)
+    r = engine.generate(GenerationRequest(PROMPTS[1], 40, grammar=CompiledTokenGrammar(grammar)))
+    assert r.token_ids == answer and r.finish_reason == "stop"
+    # the first token comes from the prompt's step; then 6, 6, and a last round whose 5
+    # drafts are the answer's last 4 tokens and junk: the output ends at the 4th
+    assert r.speculation["rounds"] == 3 and r.speculation["accepted"] == 14
+    assert engine.cache.bytes_in_use == 0
+
+
 def test_eos_is_allowed_only_once_the_grammar_is_complete(models):
     _, target, _ = models
     # the model's favourite next token at the start: make it the stop id, so without the

@@ -162,6 +162,12 @@ def test_the_dspark_drafter_and_forced_drafts_were_exercised(servers, serial):
     plain = httpx.get(servers["plain"] + "/stats").json()["forced_drafts"]
     assert plain["drafted"] > 0 and plain["accepted"] > 0
     assert httpx.get(servers["reference"] + "/stats").json()["forced_drafts"]["drafted"] == 0
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(servers["plain"] + "/metrics").text)}
+    assert families["verispec_forced_drafted_tokens"].samples[0].value == plain["drafted"]
+    cache = httpx.get(servers["plain"] + "/stats").json()["grammar_cache"]
+    assert families["verispec_grammar_compiles"].samples[0].value == cache["compiles"] > 0
 
 
 # -- the API's edges ----------------------------------------------------------------------------
@@ -177,6 +183,7 @@ MESSAGES = [{"role": "user", "content": "Hi"}]
 @pytest.mark.parametrize("body, param, message", [
     ({"guided_regex": "a(b"}, "guided_regex", "unclosed group"),
     ({"guided_grammar": "start: foo"}, "guided_grammar", "unknown name"),
+    ({"guided_grammar": "root ::= ("}, "guided_grammar", "read as GBNF"),
     ({"guided_json": {"type": "wat"}}, "guided_json", "wat"),
     ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
@@ -251,6 +258,14 @@ def test_a_tool_result_conversation_continues_with_a_constrained_answer(servers)
     r = c.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=MAX_TOKENS,
                                   response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
     validate_json(r.choices[0].message.content, schema)
+
+
+def test_a_gbnf_grammar_constrains_like_lark(servers):
+    c = client(servers["dspark"])
+    gbnf = 'root ::= answer ", because " reason\nanswer ::= "Yes" | "No"\nreason ::= [a-z ]{1,40} "."\n'
+    r = chat(c, "Is the earth round? Answer yes or no with a reason.", extra_body={"guided_grammar": gbnf})
+    assert r.choices[0].finish_reason == "stop"
+    assert re.fullmatch(r"(Yes|No), because [a-z ]{1,40}\.", r.choices[0].message.content)
 
 
 def test_json_object_mode_returns_a_json_object(servers):

@@ -9,7 +9,8 @@ stays advanced by emitted tokens (engine.py consumes them as they are accepted).
 Positions after m need no mask: d_{m+1} is not allowed at position m, so its masked
 probability is 0 and every verify rule rejects it there (greedy: the masked argmax
 differs; matching: a masked draw never equals it; speculative sampling: p/q = 0). Those
-positions are left all-allowed and never read. Drafts themselves stay unconstrained,
+positions are left all-allowed and never read; so are the positions after a draft that
+completes the grammar (the row finishes at that draft). Drafts themselves stay unconstrained,
 and speculative sampling still sees the draft's own q for the rejected token, so the
 residual it resamples from is exact.
 
@@ -46,11 +47,14 @@ def step_masks(rows: list[tuple[Matcher | None, list[int]]], vocab_size: int
         if matcher is None:
             continue
         matcher.fill_bitmask(bitmask, n_positions)
-        valid = matcher.validate(drafts)
-        for j in range(valid):
-            matcher.consume(drafts[j])
-            matcher.fill_bitmask(bitmask, n_positions + j + 1)
-        matcher.rollback(valid)
+        valid, walked = matcher.validate(drafts), 0
+        while walked < valid:
+            matcher.consume(drafts[walked])
+            walked += 1
+            if matcher.stopped:  # the row ends at this draft: later positions are never read
+                break
+            matcher.fill_bitmask(bitmask, n_positions + walked)
+        matcher.rollback(walked)
         firsts.append((n_positions, matcher))
         n_positions += len(drafts) + 1
     forbidden = forbidden_tokens(bitmask, vocab_size)

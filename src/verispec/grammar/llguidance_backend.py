@@ -7,6 +7,9 @@ wheel with no dependencies. bench/grammar_backends.py has the comparison with xg
 
 JSON is compiled compact (", " and ": " separators, no other whitespace): flexible
 whitespace lets a small model emit newlines inside an object until max_tokens cuts it.
+Grammars are Lark (llguidance's dialect); a grammar without a `start:` rule is read as
+GBNF (llama.cpp's `root ::= ...`) and converted by llguidance's own converter.
+
 A `strict` schema with a keyword llguidance cannot enforce (say uniqueItems) is refused
 by name; a non-strict one ignores such keywords ("lenient"), as OpenAI's non-strict
 mode is best effort.
@@ -105,7 +108,20 @@ class LLGuidanceBackend:
             return M.grammar_from_regex(spec.text)
         if spec.kind == "choice":
             return M.grammar_from_regex(spec.choice_regex())
-        return M.grammar_from_lark(spec.text)
+        return M.grammar_from_lark(self._lark(spec.text))
+
+    @staticmethod
+    def _lark(text: str) -> str:
+        """Lark as it is; anything else is read as GBNF (llama.cpp's `root ::= ...`, which
+        vLLM users send as guided_grammar) and converted."""
+        from llguidance.gbnf_to_lark import any_to_lark, is_lark_syntax
+
+        if is_lark_syntax(text):
+            return text
+        try:
+            return any_to_lark(text)
+        except Exception as e:  # noqa: BLE001 - the converter raises plain Exceptions for user errors
+            raise GrammarError(f"invalid grammar (no `start:` rule, so read as GBNF): {e}") from None
 
     def compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
         text = self.grammar_text(spec)

@@ -229,7 +229,7 @@ def create_app(engine: Engine, config: ServerConfig, manage_engine: bool = True)
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(engine, http_counts), media_type=metrics.CONTENT_TYPE)
+        return PlainTextResponse(metrics.render(engine, http_counts, structured.stats()), media_type=metrics.CONTENT_TYPE)
 
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_middleware(CountRequests, counts=http_counts)

@@ -40,7 +40,7 @@ class _Writer:
         return "\n".join(self.lines) + "\n"
 
 
-def render(engine: Engine, http_requests: Counter) -> str:
+def render(engine: Engine, http_requests: Counter, grammar_cache: dict | None = None) -> str:
     m, stats = engine.metrics, engine.stats()
     w = _Writer()
     w.metric("verispec_requests_total", "counter", "Requests finished, by finish reason.",
@@ -70,6 +70,16 @@ def render(engine: Engine, http_requests: Counter) -> str:
         w.metric("verispec_spec_position_acceptance", "gauge",
                  "P(draft at position j accepted | drafts before it accepted).",
                  [({"position": str(j)}, a / r) for j, (a, r) in enumerate(zip(spec.accepted_at, spec.reached_at)) if r])
+    w.metric("verispec_forced_drafted_tokens_total", "counter",
+             "Structured output: tokens a grammar forced, verified as drafts.", [({}, m.forced_drafted)])
+    w.metric("verispec_forced_accepted_tokens_total", "counter", "Forced drafts accepted.", [({}, m.forced_accepted)])
+    if grammar_cache is not None:
+        w.metric("verispec_grammar_compiles_total", "counter", "Grammars compiled (cache misses).",
+                 [({}, grammar_cache["compiles"])])
+        w.metric("verispec_grammar_cache_hits_total", "counter", "Requests served a cached grammar.",
+                 [({}, grammar_cache["hits"])])
+        w.metric("verispec_grammar_cache_bytes", "gauge", "Estimated bytes of compiled grammars kept.",
+                 [({}, grammar_cache["bytes"])])
     w.metric("verispec_http_requests_total", "counter", "HTTP requests, by route and status.",
              [({"route": route, "status": status}, n) for (route, status), n in sorted(http_requests.items())])
     return w.text()

@@ -6,7 +6,8 @@ Sources (at most one per request, else a 400 naming both):
   object), `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`;
 * vLLM's extensions: `guided_json` (a schema, object or JSON text), `guided_regex`,
   `guided_choice` (a list of strings), `guided_grammar` (llguidance's Lark syntax:
-  https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md);
+  https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md; a grammar with no
+  `start:` rule is read as GBNF, llama.cpp's `root ::= ...`);
 * chat `tools` with `tool_choice` "required" (the output is a JSON array of one or more
   `{"name", "arguments"}` calls, exactly one with `parallel_tool_calls: false`, each function's arguments validated by its parameters
   schema) or `{"type": "function", "function": {"name": ...}}` (the output is that
