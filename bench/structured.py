@@ -21,7 +21,9 @@ so both arms decode the same number of tokens at the same context lengths. Repor
   the arms (the two arms write different text, and a speculative lane drafts JSON
   better or worse than prose, so the tok/s ratio of a speculative lane mixes the
   grammar's cost with a change of tau);
-* tau (tokens per target forward) with and without the grammar;
+* tau (tokens per target forward) with and without the grammar, and by constraint kind
+  (JSON schema, regex, choice, grammar: does a drafter's acceptance collapse on tight
+  grammars?);
 * compile time per constraint, cold (empty cache) vs cached.
 
 Target: grammar overhead <= 5% of decode tok/s in every lane (the grammar share; the
@@ -142,7 +144,7 @@ class Arm:
         return self.emitted / self.rounds if self.rounds else 1.0
 
 
-def run_serial(engine, prompts, grammars, clock):
+def run_serial(engine, prompts, grammars, clock, by_kind=None):
     from verispec.engine.request import GenerationRequest
 
     with_g, without = Arm(), Arm()
@@ -154,6 +156,8 @@ def run_serial(engine, prompts, grammars, clock):
         with_g.tokens += max(0, r.completion_tokens - 1)
         with_g.seconds += r.decode_time or 0.0
         with_g.add_spec(r)
+        if by_kind is not None:
+            by_kind.setdefault(grammar.spec.kind, Arm()).add_spec(r)
         u = engine.generate(GenerationRequest(prompt, max(1, n), ignore_eos=True))
         without.tokens += max(0, u.completion_tokens - 1)
         without.seconds += u.decode_time or 0.0
@@ -241,10 +245,13 @@ def main() -> None:
     for engine in engines.values():  # warm-up, both arms
         run_serial(engine, prompts[:2], grammars[:2], clock)
 
-    rows = []
+    rows, kinds = [], {}
     for lane, run in (("serial", run_serial), ("concurrent-4", run_concurrent)):
         for name, engine in engines.items():
-            with_g, without = run(engine, prompts, grammars, clock)
+            if lane == "serial":
+                with_g, without = run(engine, prompts, grammars, clock, kinds.setdefault(name, {}))
+            else:
+                with_g, without = run(engine, prompts, grammars, clock)
             ratio = with_g.tok_s / without.tok_s if without.tok_s else 0.0
             share = with_g.grammar_s / with_g.seconds if with_g.seconds else 0.0
             rows.append({"lane": lane, "engine": name, "tok_s_grammar": round(with_g.tok_s, 1),
@@ -263,13 +270,20 @@ def main() -> None:
         print(f"{r['lane']:<13}{r['engine']:<17}{r['tok_s_grammar']:>14.1f}{r['tok_s_free']:>11.1f}{r['ratio']:>7.2f}"
               f"{r['grammar_share'] * 100:>13.2f}%{r['tau_grammar']:>12.2f}{r['tau_free']:>9.2f}"
               f"{'yes' if r['meets_target'] else 'NO':>6}")
+    kind_names = sorted({k for per in kinds.values() for k in per})
+    print("tau by constraint kind (serial, with the grammar): " + ", ".join(
+        f"{k} x{sum(1 for _, spec, _ in chosen if spec.kind == k)}" for k in kind_names))
+    print(f"{'engine':<17}" + "".join(f"{k:>13}" for k in kind_names))
+    for name, per in kinds.items():
+        print(f"{name:<17}" + "".join(f"{per[k].tau:>13.2f}" if k in per else f"{'-':>13}" for k in kind_names))
     print(json.dumps({"bench": "structured", "model": "smollm2-135m-instruct", "dtype": args.dtype,
                       "threads": args.threads, "constraints": len(chosen), "backend": backend.name,
                       "tokenizer_setup_s": round(setup_s, 3),
                       "compile_ms": {"cold_p50": round(statistics.median(cold), 3), "cold_max": round(max(cold), 3),
                                      "cached_p50": round(statistics.median(cached), 5),
                                      "cached_max": round(max(cached), 5)},
-                      "target_overhead": TARGET_OVERHEAD, "rows": rows}))
+                      "target_overhead": TARGET_OVERHEAD, "rows": rows,
+                      "tau_by_kind": {name: {k: round(a.tau, 2) for k, a in per.items()} for name, per in kinds.items()}}))
 
 
 if __name__ == "__main__":

@@ -105,3 +105,33 @@ def test_generate_with_ngram_speculation_prints_the_same_text(smollm2_folder):
 def test_bad_speculation_flags_are_one_line(capsys):
     assert main(["generate", "--num-draft-tokens", "99", "hi"]) == 2
     assert "--num-draft-tokens" in capsys.readouterr().err
+
+
+@pytest.mark.real_model
+def test_generate_with_structured_output_flags(smollm2_folder, tmp_path):
+    import re
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    (tmp_path / "person.json").write_text(json.dumps(schema))
+    base = ["generate", "-m", str(smollm2_folder), "--quiet-stats", "-n", "60"]
+    proc = _run(*base, "--json-schema", str(tmp_path / "person.json"), "Describe a person as JSON.")
+    assert proc.returncode == 0, proc.stderr
+    jsonschema.validate(json.loads(proc.stdout), schema)
+    proc = _run(*base, "--choice", "yes", "--choice", "no", "Is water wet?")
+    assert proc.returncode == 0 and proc.stdout.strip() in ("yes", "no"), proc.stderr
+    proc = _run(*base, "--regex", r"[0-9]{3}-[0-9]{4}", "A phone number:")
+    assert proc.returncode == 0 and re.fullmatch(r"[0-9]{3}-[0-9]{4}", proc.stdout.strip()), proc.stderr
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--json-schema", "{not json"], "neither a file nor valid JSON"),
+    (["--choice", ""], "must not be empty"),
+    (["--json", "--regex", "a"], "not allowed with"),
+])
+def test_bad_structured_output_flags_are_one_line(flags, words):
+    proc = _run("generate", *flags, "hi")
+    assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr
