@@ -260,6 +260,28 @@ def test_a_tool_result_conversation_continues_with_a_constrained_answer(servers)
     validate_json(r.choices[0].message.content, schema)
 
 
+def test_concurrent_requests_with_a_new_schema_compile_it_once(servers):
+    base = servers["plain"]
+    schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8}, "n": {"enum": [1, 2, 3]}},
+              "required": ["word", "n"], "additionalProperties": False}
+    before = httpx.get(base + "/stats").json()["grammar_cache"]["compiles"]
+    results = []
+
+    def one():
+        r = post(base, {"messages": [{"role": "user", "content": "A word and a number as JSON."}], "temperature": 0,
+                        "max_tokens": 40, "guided_json": schema})
+        results.append(r.json()["choices"][0]["message"]["content"])
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 4 and len(set(results)) == 1
+    validate_json(results[0], schema)
+    assert httpx.get(base + "/stats").json()["grammar_cache"]["compiles"] == before + 1
+
+
 def test_a_gbnf_grammar_constrains_like_lark(servers):
     c = client(servers["dspark"])
     gbnf = 'root ::= answer ", because " reason\nanswer ::= "Yes" | "No"\nreason ::= [a-z ]{1,40} "."\n'
