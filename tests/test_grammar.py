@@ -234,3 +234,17 @@ def test_a_non_strict_schema_ignores_keywords_it_cannot_enforce(backend):
     compiled = backend.backend.compile(GrammarSpec.json_schema({"type": "array", "uniqueItems": True,
                                                            "items": {"type": "integer"}}, strict=False))
     assert any("uniqueItems" in w for w in compiled.warnings)
+
+
+def test_a_tokenizer_the_backend_cannot_use_is_a_400_not_a_crash():
+    from verispec.engine.request import RequestRejected
+    from verispec.server.structured import Constraint, StructuredOutput
+
+    class SlowTokenizer:  # no Rust backend_tokenizer: llguidance cannot index it
+        def __len__(self):
+            return 10
+
+    structured = StructuredOutput(SlowTokenizer(), 10, [0])
+    with pytest.raises(RequestRejected, match="unavailable for this model's tokenizer") as e:
+        structured.compile(Constraint(GrammarSpec.regex("a+"), "guided_regex"))
+    assert e.value.param == "guided_regex" and e.value.status == 400

@@ -93,7 +93,10 @@ def compile_grammar(spec, loaded):
     from verispec.grammar.llguidance_backend import LLGuidanceBackend
     from verispec.grammar.spec import GrammarError
 
-    backend = LLGuidanceBackend(loaded.tokenizer, loaded.model.args.vocab_size, loaded.stop_ids)
+    try:
+        backend = LLGuidanceBackend(loaded.tokenizer, loaded.model.args.vocab_size, loaded.stop_ids)
+    except Exception as e:  # noqa: BLE001 - e.g. a slow (non-Rust) tokenizer
+        raise UserError(f"structured output is unavailable for this model's tokenizer: {e}") from None
     try:
         return backend.compile(spec)
     except GrammarError as e:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import threading
 import uuid
@@ -34,6 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from verispec.engine.request import RequestRejected
 from verispec.grammar.cache import DEFAULT_CACHE_BYTES, GrammarCache
 from verispec.grammar.spec import GrammarError, GrammarSpec
+
+log = logging.getLogger("verispec.server")
 
 MAX_CHOICES = 1024
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -210,21 +213,34 @@ class StructuredOutput:
 
     @property
     def cache(self) -> GrammarCache:
+        """The compile cache (RuntimeError naming the cause when this model's tokenizer
+        cannot drive the backend, e.g. a slow, non-Rust tokenizer)."""
         with self._lock:
             if self._cache is None:
                 from verispec.grammar.llguidance_backend import LLGuidanceBackend
 
-                self._cache = GrammarCache(LLGuidanceBackend(*self._args), self._cache_bytes)
+                try:
+                    self._cache = GrammarCache(LLGuidanceBackend(*self._args), self._cache_bytes)
+                except Exception as e:  # noqa: BLE001 - reported per request, the server serves on
+                    raise RuntimeError(f"structured output is unavailable for this model's tokenizer: {e}") from e
             return self._cache
 
     def warm(self) -> None:
-        threading.Thread(target=lambda: self.cache, name="verispec-grammar-warm", daemon=True).start()
+        def build():
+            try:
+                self.cache
+            except RuntimeError as e:
+                log.warning("%s", e)
+
+        threading.Thread(target=build, name="verispec-grammar-warm", daemon=True).start()
 
     def compile(self, c: Constraint):
         try:
             return self.cache.get(c.spec)
         except GrammarError as e:
             raise RequestRejected(str(e), e.param or c.param) from None
+        except RuntimeError as e:
+            raise RequestRejected(str(e), c.param) from None
 
     async def compile_async(self, c: Constraint):
         return await asyncio.to_thread(self.compile, c)
