@@ -282,6 +282,16 @@ def test_concurrent_requests_with_a_new_schema_compile_it_once(servers):
     assert httpx.get(base + "/stats").json()["grammar_cache"]["compiles"] == before + 1
 
 
+def test_the_grammar_cache_keeps_to_its_byte_cap(smollm2_folder, tmp_path):
+    with live_server("--no-draft", "--grammar-cache", "200KB", log=tmp_path / "cache.log") as base:
+        for pattern in ("[a-c]{3}", "[d-f]{3}", "[g-i]{3}"):
+            r = post(base, {"messages": MESSAGES, "max_tokens": 8, "guided_regex": pattern})
+            assert re.fullmatch(pattern, r.json()["choices"][0]["message"]["content"])
+        cache = httpx.get(base + "/stats").json()["grammar_cache"]
+    assert cache["max_bytes"] == 200_000 and cache["bytes"] <= 200_000
+    assert cache["compiles"] == 3 and cache["entries"] == 2, "the least recently used grammar was evicted"
+
+
 def test_a_gbnf_grammar_constrains_like_lark(servers):
     c = client(servers["dspark"])
     gbnf = 'root ::= answer ", because " reason\nanswer ::= "Yes" | "No"\nreason ::= [a-z ]{1,40} "."\n'

@@ -55,6 +55,9 @@ def add_serve_args(p) -> None:
                         "smoother, larger gives a faster first token")
     g.add_argument("--max-model-len", type=int, default=None, metavar="N", help="cap the context window (default: the model's)")
     g.add_argument("--max-body-bytes", type=_size_arg, default=None, metavar="SIZE", help="largest request body (default 8MiB)")
+    g.add_argument("--grammar-cache", type=_size_arg, default=None, metavar="SIZE",
+                   help="structured output: compiled grammars kept for reuse across requests (default 64MiB; the "
+                        "least recently used go first)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level")
 
 
@@ -91,6 +94,7 @@ def run_serve(args) -> int:
         max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
         generation_defaults=generation_defaults(loaded.folder),
         aliases=tuple(a for a in (spec, loaded.name) if a != name),
+        **({"grammar_cache_bytes": args.grammar_cache} if args.grammar_cache is not None else {}),
     )
     app = create_app(engine, server_config, manage_engine=False)
     print(

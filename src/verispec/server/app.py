@@ -36,6 +36,7 @@ from verispec.server.errors import DEFAULT_MAX_BODY_BYTES, BodyLimit, authorized
 from verispec.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, build_requests, parse
 from verispec.server.responses import ChatFormat, Choice, CompletionFormat, now, usage
 from verispec.server.streaming import DONE, EngineStream, sse
+from verispec.grammar.cache import DEFAULT_CACHE_BYTES
 from verispec.server.structured import StructuredOutput, constraint, tools_system_note
 
 log = logging.getLogger("verispec.server")
@@ -51,6 +52,7 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     generation_defaults: dict = field(default_factory=dict)
     aliases: tuple[str, ...] = ()  # other names accepted in the request's `model`
+    grammar_cache_bytes: int = DEFAULT_CACHE_BYTES  # structured output's compile cache
 
 
 class ApiError(Exception):
@@ -75,7 +77,7 @@ def create_app(engine: Engine, config: ServerConfig, manage_engine: bool = True)
     app = FastAPI(title="verispec", lifespan=lifespan, docs_url=None, redoc_url=None)
     http_counts: Counter = Counter()
     token_text = TokenText(engine.tokenizer)
-    structured = StructuredOutput(engine.tokenizer, engine.vocab_size, engine.stop_ids)
+    structured = StructuredOutput(engine.tokenizer, engine.vocab_size, engine.stop_ids, config.grammar_cache_bytes)
     started = now()
 
     # -- errors ---------------------------------------------------------------------
