@@ -34,15 +34,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # runs from a scratch venv without verispec installed
 
 from tests.structured_cases import ARITHMETIC_GRAMMAR, CHOICES, REGEXES, SCHEMAS  # noqa: E402
+from verispec.grammar.llguidance_backend import JSON_OPTIONS  # noqa: E402  the server's own JSON options
+from verispec.grammar.spec import GrammarSpec  # noqa: E402
 
 # what each backend pulls in beyond verispec's own dependencies
 EXCLUSIVE_DISTS = {"llguidance": ["llguidance"], "xgrammar": ["xgrammar", "apache-tvm-ffi", "triton", "ninja"]}
-# compact JSON in both backends (the server's choice: flexible whitespace lets a small
-# model loop on newlines inside an object until max_tokens)
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# compact JSON in both backends (JSON_OPTIONS is the server's choice: flexible whitespace
+# lets a small model loop on newlines inside an object until max_tokens)
 XGRAMMAR_ARITHMETIC = r'''
 root ::= expr "=" number
 expr ::= number op number (op number)? (op number)?
@@ -65,17 +66,11 @@ def installed_bytes(dists: list[str]) -> int:
     return total
 
 
-def choice_regex(choices: list[str]) -> str:
-    import re
-
-    return "(" + "|".join(re.escape(c) for c in choices) + ")"
-
-
 def constraints() -> list[tuple[str, str, object]]:
     """(name, kind, spec) for every case: kind is json, regex or grammar."""
     out = [(c.name, "json", c.schema) for c in SCHEMAS]
     out += [(c.name, "regex", c.pattern) for c in REGEXES]
-    out += [("choice_" + c.name, "regex", choice_regex(c.choices)) for c in CHOICES]
+    out += [("choice_" + c.name, "regex", GrammarSpec.choice(c.choices).choice_regex()) for c in CHOICES]
     out.append(("arithmetic", "grammar", None))
     return out
 

@@ -94,12 +94,8 @@ def compile_grammar(spec, loaded):
     from verispec.grammar.spec import GrammarError
 
     try:
-        backend = LLGuidanceBackend(loaded.tokenizer, loaded.model.args.vocab_size, loaded.stop_ids)
-    except Exception as e:  # noqa: BLE001 - e.g. a slow (non-Rust) tokenizer
-        raise UserError(f"structured output is unavailable for this model's tokenizer: {e}") from None
-    try:
-        return backend.compile(spec)
-    except GrammarError as e:
+        return LLGuidanceBackend(loaded.tokenizer, loaded.model.args.vocab_size, loaded.stop_ids).compile(spec)
+    except GrammarError as e:  # an invalid constraint, or a tokenizer the backend cannot use
         raise UserError(str(e)) from None
 
 

@@ -432,16 +432,14 @@ class Engine:
         row.unreleased.append(info)
         self.metrics.generation_tokens += 1
         released = row.text.push(info.token)
+        # a complete grammar (nothing but EOS may follow) ends the output here, also inside
+        # a burst of accepted drafts
+        complete = row.grammar is not None and row.grammar.stopped
         if released.stopped:
             self._finish(row, FINISH_STOP, text=released.text, n_tokens=released.tokens)
-        elif row.grammar is not None and row.grammar.stopped:
-            # the grammar is complete (nothing but EOS may follow): the output ends here,
-            # also inside a burst of accepted drafts
+        elif complete or len(row.output) >= row.request.max_tokens:
             tail = row.text.finish()
-            self._finish(row, FINISH_STOP, text=released.text + tail.text, n_tokens=released.tokens + tail.tokens)
-        elif len(row.output) >= row.request.max_tokens:
-            tail = row.text.finish()
-            reason = FINISH_STOP if tail.stopped else FINISH_LENGTH
+            reason = FINISH_STOP if complete or tail.stopped else FINISH_LENGTH
             self._finish(row, reason, text=released.text + tail.text, n_tokens=released.tokens + tail.tokens)
         else:
             row.pending = info.token

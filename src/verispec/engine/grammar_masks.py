@@ -36,27 +36,24 @@ def step_masks(rows: list[tuple[Matcher | None, list[int]]], vocab_size: int
     positions (index None: every position), or None when no row has a grammar."""
     if all(m is None for m, _ in rows):
         return None
-    index, at, n_positions = [], 0, 0
+    n_positions = sum(len(drafts) + 1 for m, drafts in rows if m is not None)
+    bitmask = torch.full((n_positions, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    index, firsts, at = [], [], 0  # firsts: each grammar row's position 0, the one every step reads
     for matcher, drafts in rows:
         if matcher is not None:
+            first = len(index)
             index.extend(range(at, at + len(drafts) + 1))
+            matcher.fill_bitmask(bitmask, first)
+            valid, walked = matcher.validate(drafts), 0
+            while walked < valid:
+                matcher.consume(drafts[walked])
+                walked += 1
+                if matcher.stopped:  # the row ends at this draft: later positions are never read
+                    break
+                matcher.fill_bitmask(bitmask, first + walked)
+            matcher.rollback(walked)
+            firsts.append((first, matcher))
         at += len(drafts) + 1
-    bitmask = torch.full((len(index), bitmask_words(vocab_size)), -1, dtype=torch.int32)
-    firsts = []  # each grammar row's position 0: the one every step reads
-    for matcher, drafts in rows:
-        if matcher is None:
-            continue
-        matcher.fill_bitmask(bitmask, n_positions)
-        valid, walked = matcher.validate(drafts), 0
-        while walked < valid:
-            matcher.consume(drafts[walked])
-            walked += 1
-            if matcher.stopped:  # the row ends at this draft: later positions are never read
-                break
-            matcher.fill_bitmask(bitmask, n_positions + walked)
-        matcher.rollback(walked)
-        firsts.append((n_positions, matcher))
-        n_positions += len(drafts) + 1
     forbidden = forbidden_tokens(bitmask, vocab_size)
     dead = forbidden[[p for p, _ in firsts]].all(dim=-1).tolist()
     for (_, matcher), no_token in zip(firsts, dead):

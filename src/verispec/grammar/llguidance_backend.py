@@ -84,15 +84,20 @@ class LLGuidanceBackend:
     name = "llguidance"
 
     def __init__(self, hf_tokenizer, vocab_size: int, stop_ids: list[int]):
+        """GrammarError when this tokenizer cannot drive llguidance."""
         import llguidance
         import llguidance.hf
 
         self._llg = llguidance
         size = max(vocab_size, len(hf_tokenizer))
-        # every engine stop id counts as EOS: allowed exactly when the grammar is complete
-        self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=size, eos_token=sorted(stop_ids))
+        try:
+            # every engine stop id counts as EOS: allowed exactly when the grammar is complete
+            self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=size, eos_token=sorted(stop_ids))
+            serialized = hf_tokenizer.backend_tokenizer.to_str()
+        except Exception as e:  # noqa: BLE001 - e.g. a slow (non-Rust) tokenizer: llguidance cannot index it
+            raise GrammarError(f"structured output is unavailable for this model's tokenizer: {e}") from None
         self.vocab_size = vocab_size
-        digest = hashlib.sha256(hf_tokenizer.backend_tokenizer.to_str().encode())
+        digest = hashlib.sha256(serialized.encode())
         digest.update(json.dumps([size, sorted(stop_ids)]).encode())
         self.fingerprint = digest.hexdigest()[:16]
 

@@ -69,7 +69,3 @@ class GrammarSpec:
     def choice_regex(self) -> str:
         """The choices as one regex: an exact alternative of the escaped strings."""
         return "(" + "|".join(re.escape(c) for c in self.choices) + ")"
-
-    @property
-    def size(self) -> int:
-        return len(self.text.encode())

@@ -30,13 +30,13 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 
 from verispec.engine.engine import Engine
 from verispec.engine.request import FINISH_ABORT, FINISH_ERROR, RequestRejected
+from verispec.grammar.cache import DEFAULT_CACHE_BYTES
 from verispec.models.tokenizer import TokenText, encode_chat, encode_prompt
 from verispec.server import metrics
 from verispec.server.errors import DEFAULT_MAX_BODY_BYTES, BodyLimit, authorized, error_body, error_response
 from verispec.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, build_requests, parse
 from verispec.server.responses import ChatFormat, Choice, CompletionFormat, now, usage
 from verispec.server.streaming import DONE, EngineStream, sse
-from verispec.grammar.cache import DEFAULT_CACHE_BYTES
 from verispec.server.structured import StructuredOutput, constraint, tools_system_note
 
 log = logging.getLogger("verispec.server")

@@ -21,9 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from verispec.engine.request import GenerationRequest, RequestRejected
 from verispec.engine.sampling import MAX_LOGPROBS, SamplingParams
-from verispec.server.structured import GuidedFields, Tool
 
 MAX_N = 16  # choices per request: each is a row of its own in the batch
+MAX_CHOICES = 1024  # guided_choice entries
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 
@@ -54,6 +55,53 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+# -- structured output (response_format, vLLM's guided_*, tools) ------------------------------
+
+
+class JsonSchemaFormat(_Strict):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    schema_: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class GuidedFields(_Strict):
+    """The structured-output fields both endpoints accept (server/structured.py turns
+    them into a grammar)."""
+
+    response_format: ResponseFormat | None = None
+    guided_json: dict | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    guided_grammar: str | None = None
 
 
 Probability = Annotated[float, Field(ge=0, le=1)]

@@ -14,6 +14,7 @@ Sources (at most one per request, else a 400 naming both):
   function's arguments). "none" ignores the tools. "auto" is refused: deciding between
   text and a call needs a parser for the model's own tool-call format.
 
+The fields themselves are parsed by server/protocol.py; this module gives them meaning.
 The constraint becomes a GrammarSpec, compiled through the shared GrammarCache in a
 worker thread (the event loop keeps serving); an invalid schema, regex or grammar is a
 400 with the compiler's message before any engine work.
@@ -24,70 +25,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
 from verispec.engine.request import RequestRejected
 from verispec.grammar.cache import DEFAULT_CACHE_BYTES, GrammarCache
 from verispec.grammar.spec import GrammarError, GrammarSpec
+from verispec.server.protocol import FunctionDef, NamedToolChoice, Tool
 
 log = logging.getLogger("verispec.server")
 
-MAX_CHOICES = 1024
-FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class JsonSchemaFormat(_Strict):
-    name: Annotated[str, Field(pattern=FUNCTION_NAME.pattern)]
-    schema_: dict | bool | None = Field(None, alias="schema")
-    strict: bool | None = None
-    description: str | None = None
-
-
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-
-class FunctionDef(_Strict):
-    name: Annotated[str, Field(pattern=FUNCTION_NAME.pattern)]
-    description: str | None = None
-    parameters: dict | None = None
-    strict: bool | None = None
-
-
-class Tool(_Strict):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class NamedFunction(_Strict):
-    name: str
-
-
-class NamedToolChoice(_Strict):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class GuidedFields(_Strict):
-    """The constraint fields both endpoints accept."""
-
-    response_format: ResponseFormat | None = None
-    guided_json: dict | bool | str | None = None
-    guided_regex: str | None = None
-    guided_choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
-    guided_grammar: str | None = None
+TOOL_CHOICE_FORMS = 'tool_choice must be "none", "required" or {"type": "function", "function": {"name": ...}}'
 
 
 @dataclass(frozen=True)
@@ -186,15 +137,13 @@ def tool_constraint(tools: list[Tool] | None, tool_choice: Any, parallel: bool =
         try:
             named = NamedToolChoice.model_validate(tool_choice)
         except ValueError:
-            raise RequestRejected('tool_choice must be "none", "required" or {"type": "function", "function": '
-                                  '{"name": ...}}', "tool_choice") from None
+            raise RequestRejected(TOOL_CHOICE_FORMS, "tool_choice") from None
         function = by_name.get(named.function.name)
         if function is None:
             raise RequestRejected(f"tool_choice names {named.function.name!r}, which is not among the tools",
                                   "tool_choice.function.name")
         return Constraint(GrammarSpec.json_schema(_parameters(function)), "tools", ToolMode(function.name))
-    raise RequestRejected('tool_choice must be "none", "required" or {"type": "function", "function": {"name": ...}}',
-                          "tool_choice")
+    raise RequestRejected(TOOL_CHOICE_FORMS, "tool_choice")
 
 
 def _parameters(function: FunctionDef) -> dict:
@@ -213,23 +162,20 @@ class StructuredOutput:
 
     @property
     def cache(self) -> GrammarCache:
-        """The compile cache (RuntimeError naming the cause when this model's tokenizer
-        cannot drive the backend, e.g. a slow, non-Rust tokenizer)."""
+        """The compile cache (GrammarError when this model's tokenizer cannot drive the
+        backend: then every structured request gets that 400, and the server serves on)."""
         with self._lock:
             if self._cache is None:
                 from verispec.grammar.llguidance_backend import LLGuidanceBackend
 
-                try:
-                    self._cache = GrammarCache(LLGuidanceBackend(*self._args), self._cache_bytes)
-                except Exception as e:  # noqa: BLE001 - reported per request, the server serves on
-                    raise RuntimeError(f"structured output is unavailable for this model's tokenizer: {e}") from e
+                self._cache = GrammarCache(LLGuidanceBackend(*self._args), self._cache_bytes)
             return self._cache
 
     def warm(self) -> None:
         def build():
             try:
                 self.cache
-            except RuntimeError as e:
+            except GrammarError as e:
                 log.warning("%s", e)
 
         threading.Thread(target=build, name="verispec-grammar-warm", daemon=True).start()
@@ -239,8 +185,6 @@ class StructuredOutput:
             return self.cache.get(c.spec)
         except GrammarError as e:
             raise RequestRejected(str(e), e.param or c.param) from None
-        except RuntimeError as e:
-            raise RequestRejected(str(e), c.param) from None
 
     async def compile_async(self, c: Constraint):
         return await asyncio.to_thread(self.compile, c)
