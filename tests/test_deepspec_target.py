@@ -1,22 +1,21 @@
 """The DeepSpec oracle's tiny Qwen3 target (a real HF folder: bf16 safetensors, a
 word-level tokenizer, transformers 5.x config spelling) loads through our loader and
-decodes like transformers. Read-only from ../shared/oracles/deepspec-tiny; the DSpark
+decodes like transformers. Read-only from tests/fixtures/deepspec-tiny (a copy of ../shared/oracles/deepspec-tiny); the DSpark
 drafter side of that fixture belongs to the DSpark issue."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.fixtures import oracle
 from tests.tiny_models import reference_greedy
 from verispec.engine.generate import greedy_batch
 from verispec.models.loader import load_model
 
-FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "oracles" / "deepspec-tiny"
-pytestmark = pytest.mark.skipif(not FIXTURE.is_dir(), reason=f"DeepSpec oracle fixture not found at {FIXTURE}")
+FIXTURE = oracle()
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The DSpark port against DeepSpec's own outputs (../shared/oracles/deepspec-tiny, read only).
+"""The DSpark port against DeepSpec's own outputs (tests/fixtures/deepspec-tiny, a copy of ../shared/oracles/deepspec-tiny; read only).
 
 Tolerances are the fixture README's (§8): module intermediates within 1e-5, logits within
 1e-4, tokens exact; loss terms within 1e-5, masks and ids exact, per-token values within
@@ -9,21 +9,20 @@ from __future__ import annotations
 
 import itertools
 import json
-from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.fixtures import oracle
 from verispec.models.decoder import BatchKV
 from verispec.models.loader import load_model
 from verispec.spec.dspark import model as dspark_model
 from verispec.spec.dspark.checkpoint import load_dspark
 from verispec.spec.dspark.loss import dspark_loss
 
-ORACLE = Path(__file__).resolve().parents[1].parent / "shared" / "oracles" / "deepspec-tiny"
-pytestmark = pytest.mark.skipif(not ORACLE.is_dir(), reason=f"DeepSpec oracle fixtures not found at {ORACLE}")
+ORACLE = oracle()
 
 
 @pytest.fixture(scope="module")
@@ -231,7 +230,7 @@ def test_dspark_sampling_keeps_the_target_distribution(target, drafter, monkeypa
     drafter and with one whose Markov head is scrambled (q far from p, many rejections);
     with the latter, the same test fails when a rejection is resampled from p instead of
     the residual (the trained drafter's q is too close to p for that to show)."""
-    from scipy import stats
+    from tests.goodness_of_fit import chi_square_p
 
     from tests.tiny_models import CharTokenizer, extend_logits
     from verispec.engine.engine import Engine, EngineConfig
@@ -280,18 +279,10 @@ def test_dspark_sampling_keeps_the_target_distribution(target, drafter, monkeypa
             counts[key] = counts.get(key, 0) + 1
         return counts
 
-    def p_value(counts, n):
-        cells = [c for c in exact if exact[c] * n >= 5]
-        observed = [counts.get(c, 0) for c in cells]
-        expected = [exact[c] * n for c in cells]
-        observed.append(n - sum(observed))
-        expected.append(n - sum(expected))
-        return stats.chisquare(observed, expected).pvalue
-
     n = 8000
-    trained, noisy = p_value(sample_counts(n), n), p_value(sample_counts(n, scrambled), n)
+    trained, noisy = chi_square_p(sample_counts(n), exact), chi_square_p(sample_counts(n, scrambled), exact)
     monkeypatch.setattr(verify_module, "residual", lambda p, q: p)
-    biased = p_value(sample_counts(n, scrambled), n)
+    biased = chi_square_p(sample_counts(n, scrambled), exact)
     print(f"chi-square p: trained drafter {trained:.3g}, scrambled {noisy:.3g}, scrambled without residual {biased:.3g}")
     assert trained > 1e-3 and noisy > 1e-3
     assert biased < 1e-6
@@ -429,3 +420,25 @@ def test_served_dspark_drafting_changes_no_token(tmp_path):
     assert texts["dspark"] == texts["plain"] and all(texts["plain"])
     spec = [u.model_extra["speculation"] for u in usages["dspark"]]
     assert sum(s["accepted"] for s in spec) > 0 and all(s["mean_accepted_length"] > 1 for s in spec)
+
+
+def test_the_kv_budget_hint_is_exactly_what_fits_with_a_drafter(target, drafter):
+    """The 400's "at most N tokens" (and the default max_tokens) is the largest request
+    that fits: N is accepted, N + 1 is refused. (It used to divide the budget by the
+    bytes of a one-token row, drafter's fixed reservation included: ~20% low.)"""
+    from verispec.engine.engine import Engine, EngineConfig
+    from verispec.engine.request import GenerationRequest, RequestRejected
+    from verispec.spec.dspark.source import DSparkProvider
+    from tests.tiny_models import CharTokenizer
+
+    prompt = json.loads((ORACLE / "prompts.jsonl").read_text().splitlines()[0])["prompt_ids"]
+    provider = DSparkProvider(drafter)
+    probe = Engine(target.model, CharTokenizer(), target.stop_ids, EngineConfig(kv_budget=2**30), drafter=provider)
+    budget = probe._row_bytes(len(prompt) + 100) + 1  # room for exactly 100 new tokens
+    engine = Engine(target.model, CharTokenizer(), target.stop_ids, EngineConfig(kv_budget=budget), drafter=provider)
+    n = engine.max_new_tokens(len(prompt))
+    assert n == 100
+    engine.check(GenerationRequest(prompt, n))
+    with pytest.raises(RequestRejected, match=f"at most {n} with this prompt") as e:
+        engine.check(GenerationRequest(prompt, n + 1))
+    assert e.value.param == "max_tokens"

@@ -18,10 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.fixtures import oracle
 from verispec.cli import main
 
-ORACLE = Path(__file__).resolve().parents[1].parent / "shared" / "oracles" / "deepspec-tiny"
-pytestmark = pytest.mark.skipif(not ORACLE.is_dir(), reason=f"DeepSpec oracle fixtures not found at {ORACLE}")
+ORACLE = oracle()
 TRAIN = ["--layers", "1", "--block-size", "4", "--markov-rank", "8", "--draft-vocab", "0", "--mask-token-id", "511",
          "--anchors", "16", "--batch", "4", "--log-every", "100"]
 
