@@ -5,6 +5,8 @@ matcher). The cache is an LRU over the backend's byte estimate of each entry; an
 larger than the whole cap is compiled and used but not kept. Concurrent requests for a
 grammar that is being compiled wait for that one compilation instead of starting their
 own; a compile error is not cached (the request gets its 400, a retry compiles again).
+Every compile goes through grammar/guard.py (input limits, a big-stack thread, a time
+budget), so a hostile constraint costs its own request a 400 and nobody else anything.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 
 from verispec.grammar.backend import CompiledGrammar, GrammarBackend
+from verispec.grammar.guard import compile_guarded
 from verispec.grammar.spec import GrammarSpec
 
 DEFAULT_CACHE_BYTES = 64 * 2**20
@@ -51,7 +54,7 @@ class GrammarCache:
         if not owner:
             return future.result()
         try:
-            compiled = self.backend.compile(spec)
+            compiled = compile_guarded(self.backend, spec)
         except BaseException as e:
             with self._lock:
                 del self._inflight[key]

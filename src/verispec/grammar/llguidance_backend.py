@@ -24,6 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+from verispec.grammar.backend import bitmask_words
+from verispec.grammar.guard import clean_message
+from verispec.grammar.limits import PARSER_ROW_ITEMS
 from verispec.grammar.spec import GrammarError, GrammarSpec
 
 # Cost of one compiled grammar in the cache, measured with psutil on SmolLM2's tokenizer
@@ -103,17 +106,17 @@ class LLGuidanceBackend:
 
     def grammar_text(self, spec: GrammarSpec) -> str:
         M = self._llg.LLMatcher
-        if spec.kind in ("json_schema", "json_object"):
-            options = JSON_OPTIONS if spec.strict else {**JSON_OPTIONS, "lenient": True}
-            try:
+        try:
+            if spec.kind in ("json_schema", "json_object"):
+                options = JSON_OPTIONS if spec.strict else {**JSON_OPTIONS, "lenient": True}
                 return M.grammar_from_json_schema(spec.schema, defaults=options)
-            except ValueError as e:
-                raise GrammarError(f"invalid JSON schema: {e}") from None
-        if spec.kind == "regex":
-            return M.grammar_from_regex(spec.text)
-        if spec.kind == "choice":
-            return M.grammar_from_regex(spec.choice_regex())
-        return M.grammar_from_lark(self._lark(spec.text))
+            if spec.kind == "regex":
+                return M.grammar_from_regex(spec.text)
+            if spec.kind == "choice":
+                return M.grammar_from_regex(spec.choice_regex())
+            return M.grammar_from_lark(self._lark(spec.text))
+        except ValueError as e:
+            raise GrammarError(f"invalid {spec.kind.replace('_', ' ').replace('json', 'JSON')}: {clean_message(str(e))}") from None
 
     @staticmethod
     def _lark(text: str) -> str:
@@ -129,17 +132,27 @@ class LLGuidanceBackend:
             raise GrammarError(f"invalid grammar (no `start:` rule, so read as GBNF): {e}") from None
 
     def compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
+        """Compile and compute the start state's mask once: llguidance builds its lexer
+        lazily, and the first mask is where a pathological regex spends its time, so it
+        is spent here (grammar/guard.py runs this off the engine's step, within a time
+        budget) and not in the first row's step. Rows' matchers are copies of this one
+        and share what it built."""
         text = self.grammar_text(spec)
-        matcher = self._llg.LLMatcher(self._tokenizer, text, log_level=0)
+        matcher = self._llg.LLMatcher(self._tokenizer, text, log_level=0, limits=self._limits())
+        if not matcher.is_error():
+            scratch = torch.zeros(bitmask_words(self.vocab_size), dtype=torch.int32)
+            matcher.unsafe_compute_mask_ptr(scratch.data_ptr(), scratch.numel() * scratch.element_size())
         if matcher.is_error():
             message = matcher.get_error()
             if spec.kind in ("regex", "choice"):  # drop the echo of the one-rule grammar it was wrapped in
                 message = re.split(r"\n\s*1 \| start:", message)[0]
-            raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {_first_lines(message)}")
+            raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {clean_message(message)}")
         return LLGuidanceGrammar(spec, matcher, ENTRY_BASE_BYTES + len(text.encode()),
                                  tuple(matcher.get_grammar_warnings()))
 
-
-def _first_lines(message: str, limit: int = 6) -> str:
-    lines = message.strip().splitlines()
-    return "\n".join(lines[:limit])
+    def _limits(self):
+        # verbose_errors off: llguidance's verbose errors dump parser state and grammar
+        # text into the message, which a client then receives; the row limit is raised
+        # to what grammar/limits.py bounds inputs by (its default of 2,000 Earley items
+        # failed a 500-optional-key object mid-answer)
+        return self._llg.LLParserLimits(verbose_errors=False, max_items_in_row=PARSER_ROW_ITEMS)
