@@ -86,7 +86,9 @@ def test_serve_help_teaches():
         assert expected in out
 
 
-@pytest.mark.parametrize("flags, words", [(["--kv-budget", "lots"], "size"), (["--port", "0"], "--port")])
+@pytest.mark.parametrize("flags, words", [(["--kv-budget", "lots"], "size"), (["--port", "0"], "--port"),
+                                          (["--api-key", ""], "--api-key"), (["--api-key", "  "], "empty"),
+                                          (["--default-max-tokens", "0"], "--default-max-tokens")])
 def test_serve_mistakes_are_one_line(flags, words):
     proc = _run("serve", *flags)
     assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr
@@ -94,7 +96,7 @@ def test_serve_mistakes_are_one_line(flags, words):
 
 @pytest.mark.real_model
 def test_generate_with_ngram_speculation_prints_the_same_text(smollm2_folder):
-    argv = ["generate", "-m", str(smollm2_folder), "--dtype", "float32", "-n", "40",
+    argv = ["generate", "-m", str(smollm2_folder), "--dtype", "float32", "-n", "40", "-t", "0",
             "Repeat this sentence twice: the cat sat on the mat."]
     plain, spec = _run(*argv, "--no-draft"), _run(*argv, "--speculate", "ngram")
     assert plain.returncode == spec.returncode == 0, spec.stderr
@@ -135,3 +137,36 @@ def test_generate_with_structured_output_flags(smollm2_folder, tmp_path):
 def test_bad_structured_output_flags_are_one_line(flags, words):
     proc = _run("generate", *flags, "hi")
     assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_an_empty_api_key_in_the_environment_is_refused_too():
+    import os
+
+    proc = subprocess.run([sys.executable, "-m", "verispec.cli", "serve"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "VERISPEC_API_KEY": ""})
+    assert proc.returncode == 2 and "empty" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_unset_sampling_flags_take_the_model_recommendation():
+    from verispec.cli import build_parser
+    from verispec.generate_cli import sampling_params_from_args
+    from verispec.models.catalog import REGISTRY
+
+    args = build_parser().parse_args(["generate", "hi"])
+    recommended = dict(REGISTRY["smollm2-135m-instruct"].sampling)
+    params = sampling_params_from_args(args, recommended)
+    assert (params.temperature, params.top_p) == (recommended["temperature"], recommended["top_p"]) == (0.2, 0.9)
+    assert sampling_params_from_args(args, {}).is_greedy  # a model that recommends nothing: greedy
+    chosen = sampling_params_from_args(build_parser().parse_args(["generate", "-t", "0.7", "hi"]), recommended)
+    assert (chosen.temperature, chosen.top_p) == (0.7, 0.9)  # a flag wins; the rest stays recommended
+
+
+@pytest.mark.real_model
+def test_the_readme_example_ends_on_its_own(smollm2_folder):
+    """README: `verispec generate "Write a haiku about tokens."` (greedy, it used to loop on
+    "a token of token" for all 256 tokens); with the model's recommended sampling it ends."""
+    for seed in ("1", "2"):
+        proc = _run("generate", "--seed", seed, "Write a haiku about tokens.")
+        assert proc.returncode == 0, proc.stderr
+        stats = proc.stderr.strip().splitlines()[-1]
+        assert "finish: stop" in stats, stats

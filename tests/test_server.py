@@ -9,6 +9,7 @@ parser for /metrics; /stats for memory (a dropped stream frees its row and KV at
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -313,3 +314,107 @@ def test_kv_budget_queues_instead_of_overcommitting(smollm2_folder, tmp_path, to
         # with no max_tokens the default is what fits the budget, not the whole context
         r = chat(client, "Say OK.")
         assert r.choices[0].finish_reason in ("stop", "length")
+
+
+# -- what no request may do to the server ------------------------------------------------------
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None])
+def test_a_post_that_is_not_declared_json_is_refused(base_url, content_type):
+    """A page on any site can POST text/plain or a form cross-origin without a preflight:
+    such bodies are never parsed, so no web page can start generations here."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    if content_type:
+        headers["Content-Type"] = content_type
+    before = stats(base_url)["requests_finished"]
+    r = httpx.post(base_url + "/v1/chat/completions", content=json.dumps(GOOD).encode(), headers=headers)
+    assert r.status_code == 415, r.text
+    assert "application/json" in r.json()["error"]["message"]
+    assert stats(base_url)["requests_finished"] == before
+    ok = httpx.post(base_url + "/v1/chat/completions", content=json.dumps(GOOD).encode(),
+                    headers={**headers, "Content-Type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200
+
+
+def test_a_huge_prompt_is_refused_by_size_without_freezing_the_server(base_url):
+    """5 MB of text cannot fit 8,192 tokens of a tokenizer whose longest token is 81
+    characters: refused before tokenizing, while /health keeps answering."""
+    body = {**GOOD, "messages": [{"role": "user", "content": "tokens " * 750_000}]}
+    latencies, done = [], threading.Event()
+
+    def poll():
+        while not done.is_set():
+            start = time.monotonic()
+            httpx.get(base_url + "/health", timeout=30)
+            latencies.append(time.monotonic() - start)
+            time.sleep(0.02)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        for path, field, payload in (("/v1/chat/completions", "messages", body),
+                                     ("/v1/completions", "prompt", {"model": MODEL, "prompt": "tokens " * 750_000})):
+            r = httpx.post(base_url + path, json=payload, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == field and "characters" in r.json()["error"]["message"]
+    finally:
+        done.set()
+        poller.join()
+    assert latencies and max(latencies) < 1.0, f"/health stalled for {max(latencies):.2f} s"
+
+
+def test_a_prompt_longer_than_the_context_is_reported_against_the_prompt(base_url, client):
+    long_text = "one two three four five six seven eight nine ten " * 1200  # ~12k tokens, under the size bound
+    r = httpx.post(base_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={**GOOD, "messages": [{"role": "user", "content": long_text}]}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    r = httpx.post(base_url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": MODEL, "prompt": long_text, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert "context length" in r.json()["error"]["message"]
+
+
+def test_stats_do_not_reveal_paths(base_url, smollm2_folder):
+    text = json.dumps(stats(base_url))
+    assert str(smollm2_folder) not in text and str(smollm2_folder.parent) not in text
+    models = httpx.get(base_url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert "/" not in json.dumps([m["id"] for m in models["data"]])
+
+
+def test_openapi_describes_every_request_body(base_url):
+    schema = httpx.get(base_url + "/openapi.json").json()
+    for path, required in (("/v1/chat/completions", "messages"), ("/v1/completions", "prompt")):
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        model = schema["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]
+        assert required in model["required"] and "model" in model["required"]
+        assert {"temperature", "max_tokens", "stream", "response_format"} <= set(model["properties"])
+    # every $ref resolves
+    refs = set(re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(schema)))
+    assert refs and refs <= set(schema["components"]["schemas"])
+
+
+def test_requests_in_flight_at_shutdown_get_503(smollm2_folder, tmp_path):
+    import signal
+
+    from verispec.server.launch import free_port, server_process, verispec_serve_command
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = verispec_serve_command(port, "-m", str(smollm2_folder), "--dtype", "float32", "--no-draft")
+    with server_process(cmd, base + "/health", log=tmp_path / "serve.log") as proc:
+        body = {"model": "x", "messages": [{"role": "user", "content": "Count to a million."}], "max_tokens": 4000,
+                "ignore_eos": True, "temperature": 0}
+        name = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+        result = {}
+
+        def long_request():
+            result["r"] = httpx.post(base + "/v1/chat/completions", json={**body, "model": name}, timeout=120)
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        assert wait_for(lambda: stats(base)["running"] == 1, timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        thread.join(60)
+    r = result["r"]
+    assert r.status_code == 503, r.text
+    assert "shutting down" in r.json()["error"]["message"]

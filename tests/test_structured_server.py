@@ -343,3 +343,157 @@ def test_sampled_choices_all_conform(servers, lane):
         for choice in r.choices:
             assert choice.finish_reason == "stop", choice
             validate_json(choice.message.content, case.schema)
+
+
+# -- tool calls end ---------------------------------------------------------------------------
+
+
+def _call_key(call) -> str:
+    return json.dumps([call.function.name, json.loads(call.function.arguments)], sort_keys=True)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_tool_calls_without_max_tokens_end_with_distinct_valid_calls(servers, stream):
+    """The small model, allowed parallel calls and no max_tokens, used to repeat the same
+    call until the context was full (382 s); the first repeat now ends the answer."""
+    from verispec.server.structured import MAX_PARALLEL_TOOL_CALLS
+
+    c = client(servers["plain"])
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris and in Rome?"}],
+                  temperature=0, tools=[WEATHER, TIME], tool_choice="required")
+    start = time.monotonic()
+    if stream:
+        calls, finish, text = {}, None, ""
+        for chunk in c.chat.completions.create(stream=True, **kwargs):
+            for choice_ in chunk.choices:
+                text += choice_.delta.content or ""
+                for call in choice_.delta.tool_calls or []:
+                    calls[call.index] = call
+                finish = choice_.finish_reason or finish
+        calls = [calls[i] for i in sorted(calls)]
+        assert text == ""
+    else:
+        r = c.chat.completions.create(**kwargs)
+        calls, finish = r.choices[0].message.tool_calls, r.choices[0].finish_reason
+        assert r.choices[0].message.content is None and r.usage.completion_tokens < 300
+    assert time.monotonic() - start < 60
+    assert finish == "tool_calls" and 1 <= len(calls) <= MAX_PARALLEL_TOOL_CALLS
+    assert len({_call_key(call) for call in calls}) == len(calls), "no call repeats an earlier one"
+    for call in calls:
+        function = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]
+        validate_json(call.function.arguments, function["parameters"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_call_cut_by_max_tokens_is_length_without_half_a_call(servers, stream):
+    c = client(servers["plain"])
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], temperature=0,
+                  tools=[WEATHER], tool_choice="required", max_tokens=6)
+    if stream:
+        calls, finish, text = [], None, ""
+        for chunk in c.chat.completions.create(stream=True, **kwargs):
+            for choice_ in chunk.choices:
+                text += choice_.delta.content or ""
+                calls += choice_.delta.tool_calls or []
+                finish = choice_.finish_reason or finish
+        content = text or None
+    else:
+        r = c.chat.completions.create(**kwargs)
+        message, finish = r.choices[0].message, r.choices[0].finish_reason
+        calls, content = message.tool_calls or [], message.content
+    assert finish == "length"
+    assert content is None, "no half call in content"
+    assert calls == [], "six tokens cannot hold a whole call"
+
+
+# -- no constraint can crash or stall the server ------------------------------------------------
+
+
+def _ref_chain(n):
+    defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
+    defs[f"d{n}"] = {"type": "integer"}
+    return {"$ref": "#/$defs/d0", "$defs": defs}
+
+
+def _nested(n, key="x"):
+    schema = {"type": "integer"}
+    for _ in range(n):
+        schema = {"type": "object", "properties": {key: schema}, "required": [key]}
+    return schema
+
+
+def _hostile_bodies():
+    import random
+
+    rng = random.Random(12)
+    bodies = []
+    for n in (10, 100, 1000, 3000):
+        bodies.append({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": _ref_chain(n)}}})
+    for n in (8, 40, 100, 300):
+        bodies.append({"guided_json": _nested(n)})
+    for n in (50, 5000):
+        bodies.append({"guided_json": {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}})
+    bodies.append({"guided_json": {"anyOf": [{"const": f"v{i}"} for i in range(3000)]}})
+    for n in (10, 900, 1100, 5000):
+        bodies.append({"guided_grammar": "start: r0\n" + "\n".join(f"r{i}: r{i + 1}" for i in range(n)) + f'\nr{n}: "a"\n'})
+    for n in (100, 9000, 12000, 100_000):
+        bodies.append({"guided_grammar": "start: " + " | ".join(f'"w{i % 977}"' for i in range(n)) + "\n"})
+    for pattern in ("(a{1000}){1000}", "a{20000}", "(" * 50 + "a" + ")" * 50, "(a|b|c)*" * 200, "[a-z]{1,5000}",
+                    r"(\d{3}-){3}\d{4}", "((a{100}){100})b"):
+        bodies.append({"guided_regex": pattern})
+    for depth in (3, 10, 40, 90, 20, 60):  # random trees of objects, arrays and unions, one path `depth` deep
+        budget = [400]
+
+        def grow(depth):
+            if depth <= 0 or budget[0] <= 0:
+                return rng.choice([{"type": "integer", "maximum": 9}, {"enum": ["a", "b"]}, {"type": "boolean"}])
+            budget[0] -= 1
+            kind = rng.choice(["object", "array", "anyOf"])
+            width = rng.randint(1, 4) if kind == "object" else rng.randint(2, 3)
+            children = [grow(depth - 1)] + [grow(rng.randint(0, 2)) for _ in range(width - 1)]
+            if kind == "object":
+                keys = [f"k{i}" for i in range(width)]
+                return {"type": "object", "properties": dict(zip(keys, children)), "required": keys}
+            if kind == "array":
+                return {"type": "array", "items": children[0], "maxItems": 2}
+            return {"anyOf": children}
+
+        bodies.append({"guided_json": grow(depth)})
+    return bodies
+
+
+def test_hostile_constraints_get_a_4xx_or_an_answer_while_a_stream_completes(servers):
+    """The crash reproducers of the fresh-machine issue and a fuzz of deep and wide
+    schemas, grammars and regexes, while a greedy stream runs beside them: every answer
+    is a 4xx with a short message or a 200, the stream gives exactly what it gives alone,
+    and the server is alive afterwards."""
+    base = servers["plain"]
+    c = client(base)
+    prompt = "Write a long story about a lighthouse keeper."
+    streamed = {}
+
+    def stream_beside():
+        text = ""
+        for chunk in c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0,
+                                               max_tokens=120, stream=True, extra_body={"ignore_eos": True}):
+            text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+        streamed["text"] = text
+
+    beside = threading.Thread(target=stream_beside)
+    beside.start()
+    outcomes = []
+    for body in _hostile_bodies():
+        start = time.monotonic()
+        r = post(base, {"messages": MESSAGES, "max_tokens": 8, "temperature": 0, **body})
+        outcomes.append((r.status_code, round(time.monotonic() - start, 2)))
+        assert r.status_code in (200, 400, 413), (body.keys(), r.status_code, r.text[:300])
+        if r.status_code != 200:
+            message = r.json()["error"]["message"]
+            assert len(message) < 1000 and "backtrace" not in message and "panicked" not in message, message
+        assert httpx.get(base + "/health", timeout=10).status_code == 200
+    beside.join(300)
+    print("hostile constraint outcomes (status, seconds):", outcomes)
+    assert sum(1 for status, _ in outcomes if status == 200) >= 10 and sum(1 for status, _ in outcomes if status == 400) >= 10
+    alone = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0,
+                                      max_tokens=120, extra_body={"ignore_eos": True}).choices[0].message.content
+    assert streamed["text"] == alone

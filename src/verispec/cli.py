@@ -40,12 +40,13 @@ models (-m): an embedded model name (see `verispec models`), a Hugging Face fold
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling (defaults: greedy)")
-    g.add_argument("--temperature", "-t", type=float, default=0.0, help="0 = greedy (default 0)")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="CTRL-style penalty (1 = off)")
+    g = p.add_argument_group("sampling (unset flags: the model's recommended sampling, e.g. temperature 0.2 / "
+                             "top-p 0.9 for smollm2-135m-instruct; greedy for a model that recommends none)")
+    g.add_argument("--temperature", "-t", type=float, default=None, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p x the top probability (0 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="CTRL-style penalty (1 = off)")
     g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty, -2..2")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty, -2..2")
     g.add_argument(

@@ -13,13 +13,25 @@ from verispec.engine.request import RequestOutput, TokenInfo
 from verispec.engine.sampling import SamplingParams
 
 
-def sampling_params_from_args(args) -> SamplingParams:
+# what an unset sampling flag falls back to when the model recommends nothing: greedy
+CLI_FALLBACK = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def sampling_params_from_args(args, recommended: dict | None = None) -> SamplingParams:
+    """The flags the user set; for the others the model's recommended sampling
+    (generation_config.json or the catalog), else greedy."""
+    recommended = recommended or {}
+
+    def pick(name: str):
+        value = getattr(args, name)
+        return value if value is not None else recommended.get(name, CLI_FALLBACK[name])
+
     return SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
+        temperature=pick("temperature"),
+        top_k=int(pick("top_k")),
+        top_p=pick("top_p"),
+        min_p=pick("min_p"),
+        repetition_penalty=pick("repetition_penalty"),
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         logit_bias=parse_logit_bias(args.logit_bias),
@@ -90,11 +102,12 @@ def grammar_spec_from_args(args):
 
 
 def compile_grammar(spec, loaded):
+    from verispec.grammar.guard import compile_guarded
     from verispec.grammar.llguidance_backend import LLGuidanceBackend
     from verispec.grammar.spec import GrammarError
 
     try:
-        return LLGuidanceBackend(loaded.tokenizer, loaded.model.args.vocab_size, loaded.stop_ids).compile(spec)
+        return compile_guarded(LLGuidanceBackend(loaded.tokenizer, loaded.model.args.vocab_size, loaded.stop_ids), spec)
     except GrammarError as e:  # an invalid constraint, or a tokenizer the backend cannot use
         raise UserError(str(e)) from None
 
@@ -111,16 +124,18 @@ def run_generate(args) -> int:
     from verispec.engine.request import GenerationRequest
     from verispec.models.loader import load_model, resolve_dtype
     from verispec.models.registry import DEFAULT_MODEL
+    from verispec.models.tokenizer import generation_defaults
     from verispec.spec.factory import build_drafter, engine_options
 
-    params = sampling_params_from_args(args)
-    spec_options = engine_options(args)  # flag mistakes before the model loads
+    sampling_params_from_args(args)  # flag mistakes before the model loads
+    spec_options = engine_options(args)
     grammar_spec = grammar_spec_from_args(args)
     if args.max_tokens <= 0:
         raise UserError(f"--max-tokens must be positive, got {args.max_tokens}")
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model or DEFAULT_MODEL, dtype=resolve_dtype(args.dtype))
+    params = sampling_params_from_args(args, generation_defaults(loaded.folder, loaded.name))
     prompt = build_prompt(args, loaded)
     max_new = check_context(len(prompt), args.max_tokens, loaded.model.args.max_position_embeddings)
     grammar = compile_grammar(grammar_spec, loaded) if grammar_spec is not None else None

@@ -40,7 +40,8 @@ def add_serve_args(p) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VERISPEC_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VERISPEC_API_KEY, else none; "
+                        "an empty key is refused rather than read as no key)")
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the -m value)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="weights dtype; auto = bfloat16 where the hardware runs it natively, else float32")
@@ -54,6 +55,9 @@ def add_serve_args(p) -> None:
                    help="prompt tokens prefilled per step while others decode (default 128): smaller keeps streams "
                         "smoother, larger gives a faster first token")
     g.add_argument("--max-model-len", type=int, default=None, metavar="N", help="cap the context window (default: the model's)")
+    g.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                   help="what a request that sets no max_tokens may generate (default 2048; also capped by what is left "
+                        "of the context and by the KV budget)")
     g.add_argument("--max-body-bytes", type=_size_arg, default=None, metavar="SIZE", help="largest request body (default 8MiB)")
     g.add_argument("--grammar-cache", type=_size_arg, default=None, metavar="SIZE",
                    help="structured output: compiled grammars kept for reuse across requests (default 64MiB; the "
@@ -66,7 +70,7 @@ def run_serve(args) -> int:
 
     from verispec.engine.engine import Engine, EngineConfig
     from verispec.models.loader import load_model, resolve_dtype
-    from verispec.models.registry import DEFAULT_MODEL
+    from verispec.models.registry import DEFAULT_MODEL, display_name
     from verispec.models.tokenizer import generation_defaults
     from verispec.server.app import ServerConfig, create_app
     from verispec.server.errors import DEFAULT_MAX_BODY_BYTES
@@ -74,6 +78,11 @@ def run_serve(args) -> int:
 
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("--api-key (or $VERISPEC_API_KEY) is empty: an empty key would let every request in; "
+                        "give a real key, or unset it to serve without one")
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        raise UserError(f"--default-max-tokens must be at least 1, got {args.default_max_tokens}")
     if args.threads:
         torch.set_num_threads(args.threads)
     config = EngineConfig(
@@ -87,14 +96,15 @@ def run_serve(args) -> int:
     drafter = build_drafter(loaded, args.speculate, args.draft_model, loaded.model.dtype, args.confidence_threshold,
                             args.no_draft)
     engine = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, config, drafter=drafter)
-    name = args.served_model_name or spec
+    name = args.served_model_name or display_name(spec)
     server_config = ServerConfig(
         model_name=name,
-        api_key=args.api_key or None,
+        api_key=args.api_key,
         max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
-        generation_defaults=generation_defaults(loaded.folder),
+        generation_defaults=generation_defaults(loaded.folder, loaded.name),
         aliases=tuple(a for a in (spec, loaded.name) if a != name),
         **({"grammar_cache_bytes": args.grammar_cache} if args.grammar_cache is not None else {}),
+        **({"default_max_tokens": args.default_max_tokens} if args.default_max_tokens is not None else {}),
     )
     app = create_app(engine, server_config, manage_engine=False)
     print(

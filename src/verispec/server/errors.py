@@ -16,11 +16,30 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
 }
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+
+
+class ApiError(Exception):
+    """An HTTP error a handler raises; the app answers it with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+def require_json(content_type: str | None) -> None:
+    """POST bodies must say they are JSON. A form or text/plain POST is what any web page
+    can send cross-origin without a preflight; parsing it anyway would let every page a
+    user visits start generations on an open local server."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise ApiError(415, f"Content-Type must be application/json, got {content_type or 'none'!r}",
+                       code="unsupported_media_type")
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

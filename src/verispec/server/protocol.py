@@ -255,10 +255,11 @@ def sampling_params(req: SamplingFields, logprobs: int | None, defaults: dict, s
 
 def build_requests(
     req: SamplingFields, prompts: list[list[int]], max_tokens: int | None, logprobs: int | None, defaults: dict,
-    max_new_tokens, grammar=None,
+    max_new_tokens, grammar=None, prompt_param: str = "prompt",
 ) -> list[GenerationRequest]:
     """One engine request per (prompt, choice), in OpenAI's choice order (prompt-major).
-    `max_new_tokens(prompt_len)` gives the default when the client set no limit; every
+    `max_new_tokens(prompt_len)` gives the default when the client set no limit (a too
+    long prompt is reported against `prompt_param`: messages or prompt); every
     choice of a constrained request shares the compiled `grammar` (each row gets its own
     matcher)."""
     stops = req.stop_strings()
@@ -267,7 +268,7 @@ def build_requests(
         limit = max_tokens if max_tokens is not None else max_new_tokens(len(prompt))
         if limit < 1:
             raise RequestRejected(
-                f"the prompt ({len(prompt)} tokens) leaves no room for a completion in this model's context", "messages"
+                f"the prompt ({len(prompt)} tokens) leaves no room for a completion in this model's context", prompt_param
             )
         for choice in range(req.n):
             # choices of one seeded request differ from each other but are reproducible

@@ -103,6 +103,10 @@ class Choice:
         self.finish_reason, self.completion_tokens = out.finish_reason, out.completion_tokens
         self.error, self.speculation = out.error, out.speculation
 
+    def finish_early(self) -> None:
+        """Ended by the server before the engine finished it (a repeated tool call)."""
+        self.finish_reason, self.completion_tokens = "stop", len(self.tokens)
+
     def add(self, text: str, tokens: list[TokenInfo]) -> int:
         """Append; return the character offset where this text starts."""
         start = self.chars
@@ -148,20 +152,24 @@ class ChatFormat:
             delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
             chunks.append(self._envelope(self.object_chunk, [{"index": index, "delta": delta, "logprobs": None,
                                                               "finish_reason": None}]))
-        elif self.tools is not None and choice.text:  # cut short: the partial text, as content
-            chunks.append(self._envelope(self.object_chunk, [{"index": index, "delta": {"content": "".join(choice.text)},
-                                                              "logprobs": None, "finish_reason": None}]))
         chunks.append(self._envelope(self.object_chunk, [{"index": index, "delta": {}, "logprobs": None,
                                                           "finish_reason": self._reason(choice, calls)}]))
         return chunks
 
     def _tool_calls(self, choice: Choice) -> list[dict] | None:
-        """tool_calls when the tool-constrained output completed (a length cut is not a call)."""
-        if self.tools is None or choice.finish_reason != "stop":
+        """The complete calls of a tool-constrained output (a call cut short by max_tokens
+        is dropped, never sent as content)."""
+        if self.tools is None or choice.finish_reason not in ("stop", "length"):
             return None
-        return self.tools.calls("".join(choice.text))
+        return self.tools.calls("".join(choice.text)) or None
+
+    def repeats_a_call(self, choice: Choice) -> bool:
+        """A tool answer that just repeated one of its calls: the caller ends it there."""
+        return self.tools is not None and choice.finish_reason is None and self.tools.repeats("".join(choice.text))
 
     def _reason(self, choice: Choice, calls) -> str | None:
+        if choice.finish_reason == "length":
+            return "length"
         return "tool_calls" if calls else finish_reason(choice.finish_reason)
 
     def usage_chunk(self, usage_block: dict) -> dict:
@@ -169,7 +177,7 @@ class ChatFormat:
 
     def final_choice(self, index: int, choice: Choice) -> dict:
         calls = self._tool_calls(choice)
-        message = {"role": "assistant", "content": None if calls else "".join(choice.text)}
+        message = {"role": "assistant", "content": None if self.tools is not None else "".join(choice.text)}
         if calls:
             message["tool_calls"] = calls
         return {"index": index, "message": message, "logprobs": self._logprobs(choice.tokens, 0),

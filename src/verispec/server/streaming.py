@@ -52,7 +52,10 @@ class EngineStream:
     async def next(self, timeout: float | None = None) -> tuple[int, RequestOutput]:
         """The next delta of any row (asyncio.TimeoutError after `timeout` seconds; waiting
         on the queue, unlike on an async generator, survives being timed out)."""
-        index, out = await asyncio.wait_for(self.queue.get(), timeout)
+        while True:
+            index, out = await asyncio.wait_for(self.queue.get(), timeout)
+            if index in self.open:  # a cancelled row's late deltas are dropped
+                break
         if out.finished:
             self.open.discard(index)
         return index, out
@@ -60,6 +63,12 @@ class EngineStream:
     async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         while self.open:
             yield await self.next()
+
+    def cancel(self, index: int) -> None:
+        """Stop one row now (its remaining deltas are not waited for)."""
+        if index in self.open:
+            self.engine.cancel(self.requests[index].request_id)
+            self.open.discard(index)
 
     def close(self) -> None:
         for index in self.open:

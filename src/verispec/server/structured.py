@@ -8,9 +8,10 @@ Sources (at most one per request, else a 400 naming both):
   `guided_choice` (a list of strings), `guided_grammar` (llguidance's Lark syntax:
   https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md; a grammar with no
   `start:` rule is read as GBNF, llama.cpp's `root ::= ...`);
-* chat `tools` with `tool_choice` "required" (the output is a JSON array of one or more
-  `{"name", "arguments"}` calls, exactly one with `parallel_tool_calls: false`, each function's arguments validated by its parameters
-  schema) or `{"type": "function", "function": {"name": ...}}` (the output is that
+* chat `tools` with `tool_choice` "required" (the output is a JSON array of one to
+  MAX_PARALLEL_TOOL_CALLS `{"name", "arguments"}` calls, exactly one with
+  `parallel_tool_calls: false`, each function's arguments validated by its parameters
+  schema; the first exact repeat of a call ends the answer) or `{"type": "function", "function": {"name": ...}}` (the output is that
   function's arguments). "none" ignores the tools. "auto" is refused: deciding between
   text and a call needs a parser for the model's own tool-call format.
 
@@ -38,23 +39,74 @@ from verispec.server.protocol import FunctionDef, NamedToolChoice, Tool
 log = logging.getLogger("verispec.server")
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+MAX_PARALLEL_TOOL_CALLS = 8  # calls in one "required" answer (parallel_tool_calls: false -> 1)
 TOOL_CHOICE_FORMS = 'tool_choice must be "none", "required" or {"type": "function", "function": {"name": ...}}'
 
 
 @dataclass(frozen=True)
 class ToolMode:
-    """How to turn a tool-constrained output into `tool_calls`."""
+    """How to turn a tool-constrained output into `tool_calls`.
+
+    "required" outputs are a JSON array of calls. A small model, free to add calls,
+    repeats the same call until max_tokens (one ran for 382 s until the 8k context was
+    full), so the array is bounded (MAX_PARALLEL_TOOL_CALLS), and the server watches the
+    calls as they complete: the first exact repeat of an earlier call ends the answer
+    there (`repeats`), without it. A cut-short output (`max_tokens`) keeps its complete
+    calls and drops the partial one: never half a call in `content`."""
 
     named: str | None  # the forced function's name; None: "required" (an array of calls)
 
-    def calls(self, text: str) -> list[dict]:
-        """OpenAI tool_calls from the constrained text (which the grammar made valid JSON)."""
+    def complete_calls(self, text: str) -> tuple[list[tuple[str, str]], bool]:
+        """(name, arguments JSON) of the calls complete in `text` so far, in order and
+        without repeats, and whether one repeated an earlier call."""
         if self.named is not None:
-            pairs = [(self.named, text)]
-        else:
-            pairs = [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in json.loads(text)]
+            try:
+                json.loads(text)
+            except ValueError:
+                return [], False
+            return [(self.named, text)], False
+        calls, seen = [], set()
+        for item in array_items(text):
+            call = json.loads(item)
+            key = json.dumps(call, sort_keys=True)
+            if key in seen:
+                return calls, True
+            seen.add(key)
+            calls.append((call["name"], json.dumps(call["arguments"], ensure_ascii=False)))
+        return calls, False
+
+    def repeats(self, text: str) -> bool:
+        return self.named is None and self.complete_calls(text)[1]
+
+    def calls(self, text: str) -> list[dict]:
+        """OpenAI tool_calls for the complete calls in the constrained text."""
         return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": name, "arguments": arguments}} for name, arguments in pairs]
+                 "function": {"name": name, "arguments": arguments}} for name, arguments in self.complete_calls(text)[0]]
+
+
+def array_items(text: str) -> list[str]:
+    """The complete object elements of a JSON array text that may be cut short (the
+    grammar made it valid JSON as far as it goes)."""
+    items, depth, start, in_string, escaped = [], 0, 0, False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+            if depth == 2:
+                start = i
+        elif ch in "}]":
+            if depth == 2 and ch == "}":
+                items.append(text[start : i + 1])
+            depth -= 1
+    return items
 
 
 @dataclass(frozen=True)
@@ -129,9 +181,8 @@ def tool_constraint(tools: list[Tool] | None, tool_choice: Any, parallel: bool =
     if tool_choice == "required":
         calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _parameters(f)},
                   "required": ["name", "arguments"], "additionalProperties": False} for name, f in by_name.items()]
-        schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
-        if not parallel:  # parallel_tool_calls: false -> exactly one call
-            schema["maxItems"] = 1
+        schema = {"type": "array", "minItems": 1, "maxItems": MAX_PARALLEL_TOOL_CALLS if parallel else 1,
+                  "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
         return Constraint(GrammarSpec.json_schema(schema), "tools", ToolMode(None))
     if isinstance(tool_choice, dict):
         try:

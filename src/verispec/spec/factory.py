@@ -37,7 +37,7 @@ def build_drafter(target, speculate: str | None, draft_model: str | None, dtype,
     if speculate is None and not no_draft:
         shipped = bundled_drafter(target)
         if shipped is not None:
-            return load_drafter(target, str(shipped), dtype, confidence_threshold)
+            return load_drafter(target, str(shipped), dtype, confidence_threshold, label="the shipped drafter")
     if speculate in (None, "none"):
         return None
     if speculate == "ngram":
@@ -47,10 +47,11 @@ def build_drafter(target, speculate: str | None, draft_model: str | None, dtype,
     raise UserError(f"unknown --speculate {speculate!r}; choose one of {', '.join(SPECULATE_CHOICES)}")
 
 
-def load_drafter(target, spec: str, dtype, confidence_threshold: float | None = None) -> DraftProvider:
+def load_drafter(target, spec: str, dtype, confidence_threshold: float | None = None,
+                 label: str | None = None) -> DraftProvider:
     """What `--draft-model` names, by what its files are: a DSpark drafter (DeepSpec format)
     or a smaller model with the target's tokenizer; anything else is refused with a reason."""
-    from verispec.models.registry import resolve_model
+    from verispec.models.registry import display_name, resolve_model
     from verispec.spec.dspark.checkpoint import draft_kind
     from verispec.spec.dspark.config import DraftCheckpointError
 
@@ -65,12 +66,12 @@ def load_drafter(target, spec: str, dtype, confidence_threshold: float | None = 
             from verispec.spec.dspark.source import DSparkProvider
 
             drafter = load_dspark(folder, target=target, dtype=dtype, device=target.model.device)
-            return DSparkProvider(drafter, f"DSpark {spec}", confidence_threshold)
+            return DSparkProvider(drafter, f"DSpark {label or display_name(spec)}", confidence_threshold)
     except DraftCheckpointError as e:
         raise UserError(f"--draft-model {spec}: {e}") from None
     if confidence_threshold is not None:
         raise UserError("--confidence-threshold applies to DSpark drafters only")
-    return load_draft_model(target, str(folder), dtype, label=spec)
+    return load_draft_model(target, str(folder), dtype, label=label or display_name(spec))
 
 
 def load_draft_model(target, spec: str, dtype, label: str | None = None) -> DraftProvider:
