@@ -49,8 +49,8 @@ def best_time(fn, repeats: int) -> float:
 
 def build(loaded, shape: dict, gamma: int, dtype):
     from verispec.models.loader import read_config
-    from verispec.spec.dspark.config import DSparkConfig
-    from verispec.spec.dspark.model import DSparkDrafter
+    from verispec.drafting.dspark.config import DSparkConfig
+    from verispec.drafting.dspark.model import DSparkDrafter
 
     vocab = loaded.model.args.vocab_size
     subset = shape["draft_vocab"] if shape["draft_vocab"] < vocab else None
@@ -68,8 +68,8 @@ def trainable_mb(drafter) -> float:
 
 def measure(loaded, drafter, repeats: int, step_s: float, verify_s: float) -> dict:
     from verispec.engine.sampling import SamplingParams
-    from verispec.spec.dspark.source import DSparkProvider
-    from verispec.spec.source import SourceContext
+    from verispec.drafting.dspark.source import DSparkProvider
+    from verispec.engine.draft import SourceContext
 
     g = drafter.block_size
     width = drafter.fc.in_features

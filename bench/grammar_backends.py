@@ -38,7 +38,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]  # runs from a scratch venv withou
 
 from tests.structured_cases import ARITHMETIC_GRAMMAR, CHOICES, REGEXES, SCHEMAS  # noqa: E402
 from verispec.grammar.llguidance_backend import JSON_OPTIONS  # noqa: E402  the server's own JSON options
-from verispec.grammar.spec import GrammarSpec  # noqa: E402
+from verispec.grammar.constraint import Constraint  # noqa: E402
 
 # what each backend pulls in beyond verispec's own dependencies
 EXCLUSIVE_DISTS = {"llguidance": ["llguidance"], "xgrammar": ["xgrammar", "apache-tvm-ffi", "triton", "ninja"]}
@@ -70,7 +70,7 @@ def constraints() -> list[tuple[str, str, object]]:
     """(name, kind, spec) for every case: kind is json, regex or grammar."""
     out = [(c.name, "json", c.schema) for c in SCHEMAS]
     out += [(c.name, "regex", c.pattern) for c in REGEXES]
-    out += [("choice_" + c.name, "regex", GrammarSpec.choice(c.choices).choice_regex()) for c in CHOICES]
+    out += [("choice_" + c.name, "regex", Constraint.choice(c.choices).choice_regex()) for c in CHOICES]
     out.append(("arithmetic", "grammar", None))
     return out
 

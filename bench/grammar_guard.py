@@ -34,37 +34,37 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 from tests.structured_cases import ARITHMETIC_GRAMMAR, CHOICES, REGEXES, SCHEMAS  # noqa: E402
 from verispec.grammar import limits  # noqa: E402
 from verispec.grammar.guard import compile_guarded  # noqa: E402
-from verispec.grammar.spec import GrammarSpec  # noqa: E402
+from verispec.grammar.constraint import Constraint  # noqa: E402
 
 WORKER = r"""
 import json, sys
 from verispec.grammar.llguidance_backend import LLGuidanceBackend
-from verispec.grammar.spec import GrammarSpec
+from verispec.grammar.constraint import Constraint
 from verispec.models.tokenizer import load_tokenizer
 backend = LLGuidanceBackend(load_tokenizer(sys.argv[1]), int(sys.argv[2]), [2])
 print("ready", flush=True)
 for line in sys.stdin:
     kind, text, strict = json.loads(line)
     try:
-        backend.compile(GrammarSpec(kind, text, strict))
+        backend.compile(Constraint(kind, text, strict))
         print("ok", flush=True)
     except Exception as e:
         print("error " + str(e).replace("\n", " "), flush=True)
 """
 
 
-def cases() -> list[GrammarSpec]:
-    specs = [GrammarSpec.json_schema(c.schema) for c in SCHEMAS]
-    specs += [GrammarSpec.regex(c.pattern) for c in REGEXES]
-    specs += [GrammarSpec.choice(c.choices) for c in CHOICES]
-    return specs + [GrammarSpec.grammar(ARITHMETIC_GRAMMAR)]
+def cases() -> list[Constraint]:
+    specs = [Constraint.json_schema(c.schema) for c in SCHEMAS]
+    specs += [Constraint.regex(c.pattern) for c in REGEXES]
+    specs += [Constraint.choice(c.choices) for c in CHOICES]
+    return specs + [Constraint.grammar(ARITHMETIC_GRAMMAR)]
 
 
-def deep(levels: int) -> GrammarSpec:
+def deep(levels: int) -> Constraint:
     schema = {"type": "integer"}
     for _ in range(levels):
         schema = {"type": "object", "properties": {"x": schema}, "required": ["x"]}
-    return GrammarSpec.json_schema(schema)
+    return Constraint.json_schema(schema)
 
 
 def timed(fn, spec, repeats) -> list[float]:

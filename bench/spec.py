@@ -114,9 +114,9 @@ def main() -> None:
 
     from verispec.engine.request import Collector, GenerationRequest
     from verispec.models.loader import load_model
-    from verispec.spec.ngram import NgramProvider
-    from verispec.spec.policy import measure_step_costs
-    from verispec.spec.two_model import TwoModelProvider
+    from verispec.drafting.ngram import NgramProvider
+    from verispec.engine.draft_length import measure_step_costs
+    from verispec.drafting.two_model import TwoModelProvider
 
     dtype = getattr(torch, args.dtype)
     loaded = load_model("smollm2-135m-instruct", dtype=dtype)
@@ -207,10 +207,10 @@ def main() -> None:
 
 
 def _position_counts(engine):
-    spec = engine.speculator
-    if spec is None:
+    drafting = engine.drafting
+    if not drafting.active:
         return None
-    return list(spec.reached_at), list(spec.accepted_at)
+    return list(drafting.reached_at), list(drafting.accepted_at)
 
 
 def _acceptance(before, after) -> list:

@@ -53,12 +53,12 @@ MAX_TOKENS = 160
 
 
 def cases():
-    from verispec.grammar.spec import GrammarSpec
+    from verispec.grammar.constraint import Constraint
 
-    out = [(c.name, GrammarSpec.json_schema(c.schema), c.prompt) for c in SCHEMAS]
-    out += [(c.name, GrammarSpec.regex(c.pattern), c.prompt) for c in REGEXES]
-    out += [(c.name, GrammarSpec.choice(c.choices), c.prompt) for c in CHOICES]
-    out.append(("arithmetic", GrammarSpec.grammar(ARITHMETIC_GRAMMAR), GRAMMAR_PROMPT))
+    out = [(c.name, Constraint.json_schema(c.schema), c.prompt) for c in SCHEMAS]
+    out += [(c.name, Constraint.regex(c.pattern), c.prompt) for c in REGEXES]
+    out += [(c.name, Constraint.choice(c.choices), c.prompt) for c in CHOICES]
+    out.append(("arithmetic", Constraint.grammar(ARITHMETIC_GRAMMAR), GRAMMAR_PROMPT))
     return out
 
 
@@ -105,7 +105,7 @@ class GrammarClock:
 
 def build_engines(loaded, names, dtype):
     from verispec.engine.engine import Engine, EngineConfig
-    from verispec.spec.factory import build_drafter
+    from verispec.drafting.factory import build_drafter
 
     engines = {}
     for name in names:
@@ -157,7 +157,7 @@ def run_serial(engine, prompts, grammars, clock, by_kind=None):
         with_g.seconds += r.decode_time or 0.0
         with_g.add_spec(r)
         if by_kind is not None:
-            by_kind.setdefault(grammar.spec.kind, Arm()).add_spec(r)
+            by_kind.setdefault(grammar.constraint.kind, Arm()).add_spec(r)
         u = engine.generate(GenerationRequest(prompt, max(1, n), ignore_eos=True))
         without.tokens += max(0, u.completion_tokens - 1)
         without.seconds += u.decode_time or 0.0

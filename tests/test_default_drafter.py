@@ -15,7 +15,7 @@ from verispec.engine.engine import Engine, EngineConfig
 from verispec.engine.request import Collector, GenerationRequest
 from verispec.models.loader import load_model, read_config
 from verispec.models.tokenizer import encode_chat
-from verispec.spec.factory import BUNDLED_DRAFTERS, build_drafter
+from verispec.drafting.factory import BUNDLED_DRAFTERS, build_drafter
 
 pytestmark = pytest.mark.real_model
 SHIPPED = BUNDLED_DRAFTERS["smollm2-135m-instruct"]
@@ -45,7 +45,7 @@ def test_the_shipped_drafter_fits_its_model_and_the_size_budget(smollm2_folder):
 
 
 def test_the_shipped_drafter_is_the_default_and_no_draft_turns_it_off(smollm2):
-    from verispec.spec.dspark.source import DSparkProvider
+    from verispec.drafting.dspark.source import DSparkProvider
 
     assert isinstance(build_drafter(smollm2, None, None, torch.float32), DSparkProvider)
     assert build_drafter(smollm2, None, None, torch.float32, no_draft=True) is None

@@ -18,9 +18,10 @@ from safetensors.torch import load_file
 from tests.fixtures import oracle
 from verispec.models.decoder import BatchKV
 from verispec.models.loader import load_model
-from verispec.spec.dspark import model as dspark_model
-from verispec.spec.dspark.checkpoint import load_dspark
-from verispec.spec.dspark.loss import dspark_loss
+from verispec.drafting.dspark import model as dspark_model
+from verispec.drafting.dspark.checkpoint import load_dspark
+from verispec.training.dspark.loss import dspark_loss
+from verispec.training.dspark.forward import train_forward
 
 ORACLE = oracle()
 
@@ -97,7 +98,7 @@ def test_training_loss_matches_deepspec(drafter):
     expected = json.loads((ORACLE / "loss_expected.json").read_text())
     logits = load_file(str(ORACLE / "loss_expected.safetensors"))
     with torch.no_grad():
-        out = drafter.forward_train(batch["input_ids"], batch["target_hidden_states"], batch["loss_mask"],
+        out = train_forward(drafter, batch["input_ids"], batch["target_hidden_states"], batch["loss_mask"],
                                     batch["anchor_positions"], batch["block_keep_mask"],
                                     batch["target_last_hidden_states"])
         hp = expected["loss_hparams"]
@@ -134,7 +135,7 @@ def _decode_fixture(target, drafter, threshold: float):
     from tests.tiny_models import CharTokenizer
     from verispec.engine.engine import Engine, EngineConfig
     from verispec.engine.request import Collector, GenerationRequest
-    from verispec.spec.dspark.source import DSparkProvider
+    from verispec.drafting.dspark.source import DSparkProvider
 
     provider = DSparkProvider(drafter, confidence_threshold=threshold)
     provider.trace = []
@@ -206,7 +207,7 @@ def test_dspark_greedy_output_equals_plain_decoding(target, drafter):
     from tests.tiny_models import CharTokenizer
     from verispec.engine.engine import Engine, EngineConfig
     from verispec.engine.request import GenerationRequest
-    from verispec.spec.dspark.source import DSparkProvider
+    from verispec.drafting.dspark.source import DSparkProvider
 
     prompts = [json.loads(line)["prompt_ids"] for line in (ORACLE / "prompts.jsonl").read_text().splitlines()]
     plain = Engine(target.model, CharTokenizer(), target.stop_ids, EngineConfig(kv_budget=2**30))
@@ -216,7 +217,7 @@ def test_dspark_greedy_output_equals_plain_decoding(target, drafter):
         expected = plain.generate(GenerationRequest(prompt, 48)).token_ids
         result = spec.generate(GenerationRequest(prompt, 48))
         assert result.token_ids == expected
-    assert spec.speculator.totals.accepted > 50, "the adaptive policy kept a good drafter drafting"
+    assert spec.drafting.totals.accepted > 50, "the adaptive policy kept a good drafter drafting"
 
 
 # -- temperature > 0: DSpark's q through the request's processors ------------------------------
@@ -237,8 +238,8 @@ def test_dspark_sampling_keeps_the_target_distribution(target, drafter, monkeypa
     from verispec.engine.request import Collector, GenerationRequest
     from verispec.engine import sampling
     from verispec.engine.sampling import SamplingParams, process_logits, sampling_probs
-    from verispec.spec import verify as verify_module
-    from verispec.spec.dspark.source import DSparkProvider
+    from verispec.engine import verify as verify_module
+    from verispec.drafting.dspark.source import DSparkProvider
 
     prompt = json.loads((ORACLE / "prompts.jsonl").read_text().splitlines()[3])["prompt_ids"]
     params = SamplingParams(temperature=2.5, top_k=4)
@@ -271,7 +272,7 @@ def test_dspark_sampling_keeps_the_target_distribution(target, drafter, monkeypa
                 collectors.append(Collector())
                 engine.submit(GenerationRequest(prompt, 4, SamplingParams(temperature=2.5, top_k=4)), collectors[-1])
             engine.run_until_idle()
-        totals = engine.speculator.totals
+        totals = engine.drafting.totals
         assert 0 < totals.accepted < totals.drafted
         counts = {}
         for c in collectors:
@@ -294,7 +295,7 @@ def test_dspark_sampling_keeps_the_target_distribution(target, drafter, monkeypa
 def test_saved_checkpoints_are_deepspecs_format(drafter, tmp_path):
     from safetensors import safe_open
 
-    from verispec.spec.dspark.checkpoint import save_dspark
+    from verispec.drafting.dspark.checkpoint import save_dspark
 
     save_dspark(drafter, tmp_path / "out")
     theirs = json.loads((ORACLE / "drafter" / "config.json").read_text())
@@ -311,13 +312,13 @@ def test_saved_checkpoints_are_deepspecs_format(drafter, tmp_path):
 
 
 def test_frozen_copies_may_come_from_the_target(drafter, target, tmp_path):
-    from verispec.spec.dspark.checkpoint import save_dspark
+    from verispec.drafting.dspark.checkpoint import save_dspark
 
     save_dspark(drafter, tmp_path / "slim", include_frozen=False)
     slim = load_dspark(tmp_path / "slim", target=target, dtype=torch.float32)
     assert torch.equal(slim.embed_tokens.weight, drafter.embed_tokens.weight)
     assert torch.equal(slim.lm_head.weight, drafter.lm_head.weight)
-    from verispec.spec.dspark.config import DraftCheckpointError
+    from verispec.drafting.dspark.config import DraftCheckpointError
 
     with pytest.raises(DraftCheckpointError, match="no target supplies"):
         load_dspark(tmp_path / "slim")
@@ -336,9 +337,9 @@ def _config_folder(tmp_path, name, config, weights=True):
 
 def test_draft_kinds_are_told_apart_with_clear_errors(tmp_path, target):
     from verispec.errors import UserError
-    from verispec.spec.dspark.checkpoint import draft_kind
-    from verispec.spec.dspark.config import DraftCheckpointError
-    from verispec.spec.factory import load_drafter
+    from verispec.drafting.dspark.checkpoint import draft_kind
+    from verispec.drafting.dspark.config import DraftCheckpointError
+    from verispec.drafting.factory import load_drafter
 
     assert draft_kind(ORACLE / "drafter") == "dspark" and draft_kind(ORACLE / "target") == "model"
     eagle = _config_folder(tmp_path, "eagle", {"architectures": ["LlamaForCausalLMEagle3"]})
@@ -368,7 +369,7 @@ def test_a_hub_id_resolves_to_a_dspark_drafter(target, monkeypatch):
 
     asked = []
     monkeypatch.setattr(registry, "hub_snapshot", lambda repo, progress: asked.append(repo) or ORACLE / "drafter")
-    from verispec.spec.factory import load_drafter
+    from verispec.drafting.factory import load_drafter
 
     provider = load_drafter(target, "deepseek-ai/dspark_qwen3_4b_block7", torch.float32)
     assert asked == ["deepseek-ai/dspark_qwen3_4b_block7"]
@@ -428,7 +429,7 @@ def test_the_kv_budget_hint_is_exactly_what_fits_with_a_drafter(target, drafter)
     bytes of a one-token row, drafter's fixed reservation included: ~20% low.)"""
     from verispec.engine.engine import Engine, EngineConfig
     from verispec.engine.request import GenerationRequest, RequestRejected
-    from verispec.spec.dspark.source import DSparkProvider
+    from verispec.drafting.dspark.source import DSparkProvider
     from tests.tiny_models import CharTokenizer
 
     prompt = json.loads((ORACLE / "prompts.jsonl").read_text().splitlines()[0])["prompt_ids"]

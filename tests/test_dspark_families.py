@@ -19,9 +19,10 @@ from verispec.engine.engine import Engine, EngineConfig
 from verispec.engine.request import GenerationRequest
 from verispec.models.decoder import BatchKV
 from verispec.models.loader import load_folder, read_config
-from verispec.spec.dspark.config import DSparkConfig
-from verispec.spec.dspark.model import DSparkDrafter
-from verispec.spec.dspark.source import DSparkProvider
+from verispec.drafting.dspark.config import DSparkConfig
+from verispec.drafting.dspark.model import DSparkDrafter
+from verispec.drafting.dspark.source import DSparkProvider
+from verispec.training.dspark.forward import train_forward
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3"]
 
@@ -58,7 +59,7 @@ def test_training_and_decoding_views_agree(family):
     features = torch.cat(target(ids[0], BatchKV([seq], [S]),
                                 taps=drafter.config.target_layer_ids).hidden, dim=-1)
     anchors = torch.tensor([[3, 9, 14]])
-    out = drafter.forward_train(ids, features[None], torch.ones(1, S), anchors, torch.ones(1, 3, dtype=torch.bool))
+    out = train_forward(drafter, ids, features[None], torch.ones(1, S), anchors, torch.ones(1, 3, dtype=torch.bool))
     for a, anchor in enumerate(anchors[0].tolist()):
         cache = drafter.new_cache(S + g)
         split = anchor // 2  # the context arrives in two rounds, as it does while decoding
@@ -90,13 +91,13 @@ def test_greedy_speculation_with_an_untrained_drafter_is_lossless(family, head):
     for prompt in prompts:
         result = engine.generate(GenerationRequest(prompt, 16))
         assert result.token_ids == reference_greedy(reference, prompt, 16)
-    assert engine.speculator.totals.drafted > 0
+    assert engine.drafting.totals.drafted > 0
 
 
 def test_rnn_head_follows_eq6():
     """s' = sigmoid(Wg z) * s + (1 - sigmoid(Wg z)) * tanh(Wc z), bias = W2 tanh(Wo z) with
     z = [s; W1[x_prev]; h] (the OLD state), one joint projection split gate|candidate|output."""
-    from verispec.spec.dspark.heads import RNNHead
+    from verispec.drafting.dspark.heads import RNNHead
 
     torch.manual_seed(0)
     head = RNNHead(vocab_size=11, rank=4, out_size=11, hidden_size=6)

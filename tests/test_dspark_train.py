@@ -63,7 +63,7 @@ def test_training_lowers_the_loss_and_the_checkpoint_serves(features, tmp_path, 
     assert last < 0.7 * first, (first, last)
     assert (out / "curves.png").stat().st_size > 1000
     from verispec.models.loader import load_model
-    from verispec.spec.dspark.checkpoint import load_dspark
+    from verispec.drafting.dspark.checkpoint import load_dspark
 
     target = load_model(str(ORACLE / "target"), dtype=torch.float32)
     drafter = load_dspark(out / (out / "latest").read_text().strip(), target=target)
@@ -129,7 +129,7 @@ def test_calibrate_writes_thresholds_and_measure_reports(tmp_path):
     plots and JSON, tau within (1, gamma + 1] and the acceptance a probability."""
     import shutil
 
-    from verispec.spec.dspark.calibrate import fit_threshold
+    from verispec.training.dspark.calibrate import fit_threshold
 
     drafter = tmp_path / "drafter"
     shutil.copytree(ORACLE / "drafter", drafter)
@@ -146,7 +146,7 @@ def test_calibrate_writes_thresholds_and_measure_reports(tmp_path):
     report = json.loads((drafter / "calibration.json").read_text())
     assert all(p["tested"] > 50 and 0 <= p["ece"] <= 1 for p in report["positions"])
     assert (drafter / "reliability.png").stat().st_size > 1000
-    from verispec.spec.dspark.checkpoint import load_dspark
+    from verispec.drafting.dspark.checkpoint import load_dspark
 
     assert load_dspark(drafter).config.confidence_threshold == config["confidence_threshold"]
 

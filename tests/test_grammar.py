@@ -22,12 +22,12 @@ import torch
 from tests.structured_cases import ARITHMETIC_GRAMMAR, CHOICES, REGEXES, SCHEMAS, arithmetic_ok, validate_json
 from verispec.grammar.backend import bitmask_to_bool, bitmask_words
 from verispec.grammar.cache import GrammarCache
-from verispec.grammar.spec import GrammarError, GrammarSpec
+from verispec.grammar.constraint import GrammarError, Constraint
 
 
 @dataclass
 class FakeCompiled:
-    spec: GrammarSpec
+    spec: Constraint
     nbytes: int
 
     def new_matcher(self):
@@ -53,12 +53,12 @@ class CountingBackend:
 def test_concurrent_requests_with_the_same_schema_compile_once():
     backend = CountingBackend(delay=0.2)
     cache = GrammarCache(backend)
-    spec = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    spec = Constraint.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
     results = [None] * 8
 
     def worker(i):
         # each request builds its own spec object from the same schema: equal, not identical
-        results[i] = cache.get(GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}))
+        results[i] = cache.get(Constraint.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}))
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
     for t in threads:
@@ -74,7 +74,7 @@ def test_concurrent_requests_with_the_same_schema_compile_once():
 def test_the_cache_is_capped_in_bytes_least_recently_used_first():
     backend = CountingBackend(nbytes=100)
     cache = GrammarCache(backend, max_bytes=250)
-    a, b, c = (GrammarSpec.regex(p) for p in ("a+", "b+", "c+"))
+    a, b, c = (Constraint.regex(p) for p in ("a+", "b+", "c+"))
     cache.get(a), cache.get(b)
     cache.get(a)  # a is now more recent than b
     cache.get(c)  # over the cap: b goes
@@ -87,7 +87,7 @@ def test_the_cache_is_capped_in_bytes_least_recently_used_first():
 def test_an_entry_larger_than_the_cap_is_used_but_not_kept():
     backend = CountingBackend(nbytes=1000)
     cache = GrammarCache(backend, max_bytes=500)
-    first = cache.get(GrammarSpec.regex("x"))
+    first = cache.get(Constraint.regex("x"))
     assert first.nbytes == 1000 and len(cache) == 0 and cache.bytes == 0
 
 
@@ -96,12 +96,12 @@ def test_compile_errors_are_not_cached():
     cache = GrammarCache(backend)
     for _ in range(2):
         with pytest.raises(GrammarError, match="unclosed"):
-            cache.get(GrammarSpec.regex("("))
+            cache.get(Constraint.regex("("))
     assert len(backend.calls) == 2 and len(cache) == 0
 
 
 def test_schema_property_order_is_kept_in_the_spec():
-    spec = GrammarSpec.json_schema({"properties": {"name": {}, "age": {}}})
+    spec = Constraint.json_schema({"properties": {"name": {}, "age": {}}})
     assert spec.text.index("name") < spec.text.index("age")
 
 
@@ -145,7 +145,7 @@ def backend(request):
     return real_tokenizer(request.getfixturevalue(f"{request.param}_folder"))
 
 
-def walk(backend: RealTokenizer, spec: GrammarSpec, seed: int, limit: int = 400) -> tuple[str, bool]:
+def walk(backend: RealTokenizer, spec: Constraint, seed: int, limit: int = 400) -> tuple[str, bool]:
     """Random allowed tokens until the grammar stops (or EOS is taken once allowed)."""
     be, tokenizer, stops = backend.backend, backend.tokenizer, set(backend.stop_ids)
     matcher = be.compile(spec).new_matcher()
@@ -176,7 +176,7 @@ def walk(backend: RealTokenizer, spec: GrammarSpec, seed: int, limit: int = 400)
 def test_every_text_the_masks_allow_validates_against_the_schema(backend, case):
     completed = 0
     for seed in range(4):
-        text, complete = walk(backend, GrammarSpec.json_schema(case.schema), seed)
+        text, complete = walk(backend, Constraint.json_schema(case.schema), seed)
         if complete:
             validate_json(text, case.schema)
             completed += 1
@@ -187,24 +187,24 @@ def test_every_text_the_masks_allow_validates_against_the_schema(backend, case):
 def test_regex_choice_and_grammar_masks_allow_only_matches(backend):
     for case in REGEXES:
         for seed in range(3):
-            text, complete = walk(backend, GrammarSpec.regex(case.pattern), seed)
+            text, complete = walk(backend, Constraint.regex(case.pattern), seed)
             assert complete and re.fullmatch(case.pattern, text), (case.name, text)
     for case in CHOICES:
-        text, complete = walk(backend, GrammarSpec.choice(case.choices), 0)
+        text, complete = walk(backend, Constraint.choice(case.choices), 0)
         assert complete and text in case.choices
     for seed in range(3):
-        text, complete = walk(backend, GrammarSpec.grammar(ARITHMETIC_GRAMMAR), seed, limit=30)
+        text, complete = walk(backend, Constraint.grammar(ARITHMETIC_GRAMMAR), seed, limit=30)
         assert complete and arithmetic_ok(text), text
     gbnf = 'root ::= answer " because " reason\nanswer ::= "yes" | "no"\nreason ::= [a-z ]{1,30} "."\n'
     for seed in range(3):
-        text, complete = walk(backend, GrammarSpec.grammar(gbnf), seed, limit=60)
+        text, complete = walk(backend, Constraint.grammar(gbnf), seed, limit=60)
         assert complete and re.fullmatch(r"(yes|no) because [a-z ]{1,30}\.", text), text
 
 
 @pytest.mark.real_model
 def test_validate_and_rollback_walk_drafts_without_moving_the_matcher(backend):
     be, tokenizer = backend.backend, backend.tokenizer
-    spec = GrammarSpec.json_schema(SCHEMAS[0].schema)
+    spec = Constraint.json_schema(SCHEMAS[0].schema)
     matcher = be.compile(spec).new_matcher()
     good = tokenizer.encode('{"name": "Ann", "age": 3', add_special_tokens=False)
     bad = good + tokenizer.encode("x", add_special_tokens=False)  # a letter cannot follow the number
@@ -218,11 +218,11 @@ def test_validate_and_rollback_walk_drafts_without_moving_the_matcher(backend):
 
 @pytest.mark.real_model
 @pytest.mark.parametrize("spec, message", [
-    (GrammarSpec.regex("a(b"), "unclosed group"),
-    (GrammarSpec.grammar("start: foo"), "unknown name"),
-    (GrammarSpec.grammar("root ::= ("), "read as GBNF"),
-    (GrammarSpec.json_schema({"type": "wat"}), "wat"),
-    (GrammarSpec.json_schema({"type": "array", "uniqueItems": True}), "uniqueItems"),
+    (Constraint.regex("a(b"), "unclosed group"),
+    (Constraint.grammar("start: foo"), "unknown name"),
+    (Constraint.grammar("root ::= ("), "read as GBNF"),
+    (Constraint.json_schema({"type": "wat"}), "wat"),
+    (Constraint.json_schema({"type": "array", "uniqueItems": True}), "uniqueItems"),
 ])
 def test_invalid_constraints_raise_a_message_naming_the_problem(backend, spec, message):
     with pytest.raises(GrammarError, match=message):
@@ -231,14 +231,14 @@ def test_invalid_constraints_raise_a_message_naming_the_problem(backend, spec, m
 
 @pytest.mark.real_model
 def test_a_non_strict_schema_ignores_keywords_it_cannot_enforce(backend):
-    compiled = backend.backend.compile(GrammarSpec.json_schema({"type": "array", "uniqueItems": True,
+    compiled = backend.backend.compile(Constraint.json_schema({"type": "array", "uniqueItems": True,
                                                            "items": {"type": "integer"}}, strict=False))
     assert any("uniqueItems" in w for w in compiled.warnings)
 
 
 def test_a_tokenizer_the_backend_cannot_use_is_a_400_not_a_crash():
     from verispec.engine.request import RequestRejected
-    from verispec.server.structured import Constraint, StructuredOutput
+    from verispec.server.structured import AskedConstraint, StructuredOutput
 
     class SlowTokenizer:  # no Rust backend_tokenizer: llguidance cannot index it
         def __len__(self):
@@ -246,5 +246,5 @@ def test_a_tokenizer_the_backend_cannot_use_is_a_400_not_a_crash():
 
     structured = StructuredOutput(SlowTokenizer(), 10, [0])
     with pytest.raises(RequestRejected, match="unavailable for this model's tokenizer") as e:
-        structured.compile(Constraint(GrammarSpec.regex("a+"), "guided_regex"))
+        structured.compile(AskedConstraint(Constraint.regex("a+"), "guided_regex"))
     assert e.value.param == "guided_regex" and e.value.status == 400

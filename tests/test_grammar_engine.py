@@ -30,8 +30,8 @@ from verispec.engine.engine import Engine, EngineConfig
 from verispec.engine.request import Collector, GenerationRequest
 from verispec.engine.sampling import SamplingParams
 from verispec.models.loader import load_folder
-from verispec.spec.ngram import NgramProvider
-from verispec.spec.two_model import TwoModelProvider
+from verispec.drafting.ngram import NgramProvider
+from verispec.drafting.two_model import TwoModelProvider
 
 VOCAB = 97
 
@@ -122,7 +122,7 @@ def test_grammar_with_speculation_equals_grammar_without(models, source):
     for r, c in zip(spec, compiled):
         if c is not None:
             assert c.matchers[0].prefix == r.token_ids, "drafts walked for masks were rolled back exactly"
-    totals = engine.speculator.totals
+    totals = engine.drafting.totals
     assert totals.drafted > 0
     if source == "self-draft":
         # the target's unmasked argmax is often what the grammar allows: bursts get
@@ -160,7 +160,7 @@ class OracleDrafts:
     burst runs past the grammar's completion."""
 
     def __init__(self, answer: list[int], junk: int):
-        from verispec.spec.source import Draft, DraftProvider, DraftSource
+        from verispec.engine.draft import Draft, DraftProvider, DraftSource
 
         class Source(DraftSource):
             def __init__(self, context):
@@ -291,7 +291,7 @@ def sample_under_grammar(target, draft, grammar) -> dict[tuple[int, ...], int]:
         assert grammar.accepts(r.token_ids)
         key = tuple(r.token_ids[:3])
         counts[key] = counts.get(key, 0) + 1
-    totals = engine.speculator.totals
+    totals = engine.drafting.totals
     assert totals.drafted > 0 and 0 < totals.accepted < totals.drafted
     return counts
 

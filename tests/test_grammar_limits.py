@@ -20,7 +20,7 @@ import pytest
 
 from verispec.grammar import limits
 from verispec.grammar.guard import clean_message, compile_guarded
-from verispec.grammar.spec import GrammarError, GrammarSpec
+from verispec.grammar.constraint import GrammarError, Constraint
 
 
 def ref_chain(n: int) -> dict:
@@ -58,24 +58,24 @@ class RecordingBackend:
 
 
 HOSTILE = [
-    (GrammarSpec.json_schema(ref_chain(3000)), "nests more than 64 levels"),
-    (GrammarSpec.json_schema(ref_chain(1000)), "nests more than 64 levels"),
-    (GrammarSpec.json_schema(nested_objects(200)), "nests more than 64 levels"),
-    (GrammarSpec.grammar(lark_chain(5000)), "rules; the limit is 1000"),
-    (GrammarSpec.grammar(lark_alternatives(100_000)), "bytes; the limit is"),
-    (GrammarSpec.grammar("start: " + " | ".join(['"a"'] * 8_002)), "alternatives"),
-    (GrammarSpec.regex("(a{1000}){1000}"), "repeats 1000000 times"),
-    (GrammarSpec.regex("((a{100}){100}){100}"), "repeats 1000000 times"),
-    (GrammarSpec.regex("a{20000}"), "repeats 20000 times"),
-    (GrammarSpec.regex("(" * 40 + "a" + ")" * 40), "nests groups more than 32"),
-    (GrammarSpec.json_schema({"type": "string", "pattern": "(x{500}){500}"}), "a `pattern` in the JSON schema"),
-    (GrammarSpec.json_schema({"type": "array", "prefixItems": [{} for _ in range(20_001)]}),
+    (Constraint.json_schema(ref_chain(3000)), "nests more than 64 levels"),
+    (Constraint.json_schema(ref_chain(1000)), "nests more than 64 levels"),
+    (Constraint.json_schema(nested_objects(200)), "nests more than 64 levels"),
+    (Constraint.grammar(lark_chain(5000)), "rules; the limit is 1000"),
+    (Constraint.grammar(lark_alternatives(100_000)), "bytes; the limit is"),
+    (Constraint.grammar("start: " + " | ".join(['"a"'] * 8_002)), "alternatives"),
+    (Constraint.regex("(a{1000}){1000}"), "repeats 1000000 times"),
+    (Constraint.regex("((a{100}){100}){100}"), "repeats 1000000 times"),
+    (Constraint.regex("a{20000}"), "repeats 20000 times"),
+    (Constraint.regex("(" * 40 + "a" + ")" * 40), "nests groups more than 32"),
+    (Constraint.json_schema({"type": "string", "pattern": "(x{500}){500}"}), "a `pattern` in the JSON schema"),
+    (Constraint.json_schema({"type": "array", "prefixItems": [{} for _ in range(20_001)]}),
      "more than 20000 subschemas"),
-    (GrammarSpec.json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2001)}}),
+    (Constraint.json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2001)}}),
      "more than 2000 optional properties"),
-    (GrammarSpec.json_schema({"anyOf": [{"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(50)}}
+    (Constraint.json_schema({"anyOf": [{"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(50)}}
                                         for _ in range(41)]}), "more than 2000 optional properties"),
-    (GrammarSpec.json_schema({"anyOf": [{"const": i} for i in range(8001)]}), "more than 8000 anyOf/oneOf branches"),
+    (Constraint.json_schema({"anyOf": [{"const": i} for i in range(8001)]}), "more than 8000 anyOf/oneOf branches"),
 ]
 
 
@@ -93,9 +93,9 @@ def test_recursion_through_ref_is_not_nesting():
                                                                 "children": {"type": "array", "maxItems": 2,
                                                                              "items": {"$ref": "#/$defs/node"}}}}},
             "$ref": "#/$defs/node"}
-    limits.check(GrammarSpec.json_schema(tree))
-    limits.check(GrammarSpec.json_schema(ref_chain(20)))
-    limits.check(GrammarSpec.json_schema(nested_objects(30)))
+    limits.check(Constraint.json_schema(tree))
+    limits.check(Constraint.json_schema(ref_chain(20)))
+    limits.check(Constraint.json_schema(nested_objects(30)))
 
 
 def test_regex_counts_read_off_the_text():
@@ -115,13 +115,13 @@ def backend(smollm2_folder):
 
 
 JUST_INSIDE = [
-    GrammarSpec.json_schema(ref_chain(20)),
-    GrammarSpec.json_schema(nested_objects(30)),
-    GrammarSpec.grammar(lark_chain(900)),
-    GrammarSpec.grammar(lark_alternatives(7_900)),
-    GrammarSpec.regex("(a{100}){100}"),
-    GrammarSpec.choice([f"option {i}" for i in range(1024)]),
-    GrammarSpec.json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2000)}}),
+    Constraint.json_schema(ref_chain(20)),
+    Constraint.json_schema(nested_objects(30)),
+    Constraint.grammar(lark_chain(900)),
+    Constraint.grammar(lark_alternatives(7_900)),
+    Constraint.regex("(a{100}){100}"),
+    Constraint.choice([f"option {i}" for i in range(1024)]),
+    Constraint.json_schema({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2000)}}),
 ]
 
 
@@ -151,9 +151,9 @@ def test_a_compile_over_its_budget_is_a_grammar_error_for_that_request_only():
     backend = RecordingBackend(lambda spec: time.sleep(1.5) or spec)
     start = time.monotonic()
     with pytest.raises(GrammarError, match="did not compile within 0.3 s"):
-        compile_guarded(backend, GrammarSpec.regex("a+"), budget_s=0.3)
+        compile_guarded(backend, Constraint.regex("a+"), budget_s=0.3)
     assert time.monotonic() - start < 1.2  # the request stopped waiting; the thread finishes on its own
-    assert compile_guarded(RecordingBackend(), GrammarSpec.regex("b+"), budget_s=0.3).text == "b+"
+    assert compile_guarded(RecordingBackend(), Constraint.regex("b+"), budget_s=0.3).text == "b+"
 
 
 class FakePanic(BaseException):  # what pyo3 raises for a Rust panic
@@ -166,7 +166,7 @@ def test_a_native_panic_is_a_short_message_without_a_backtrace():
                         "             at /rustc/abc/library/std/src/panicking.rs:665:5\n   1: core::panicking::panic_fmt")
 
     with pytest.raises(GrammarError) as info:
-        compile_guarded(RecordingBackend(panic), GrammarSpec.regex("a"))
+        compile_guarded(RecordingBackend(panic), Constraint.regex("a"))
     message = str(info.value)
     assert message.startswith("the grammar compiler failed on this input: called `Option::unwrap()`")
     assert "backtrace" not in message and "panicking.rs" not in message and "rust_begin_unwind" not in message
@@ -182,14 +182,14 @@ CHILD = """
 import json, sys
 from verispec.grammar import guard, limits
 from verispec.grammar.llguidance_backend import LLGuidanceBackend
-from verispec.grammar.spec import GrammarSpec
+from verispec.grammar.constraint import Constraint
 from verispec.models.tokenizer import load_tokenizer
 limits.MAX_SCHEMA_DEPTH = 10**6  # let the reproducer through the limits: only the stack stands
 n = int(sys.argv[2])
 defs = {f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
 defs[f"d{n}"] = {"type": "integer"}
 backend = LLGuidanceBackend(load_tokenizer(sys.argv[1]), 49152, [2])
-compiled = guard.compile_guarded(backend, GrammarSpec.json_schema({"$ref": "#/$defs/d0", "$defs": defs}), budget_s=60)
+compiled = guard.compile_guarded(backend, Constraint.json_schema({"$ref": "#/$defs/d0", "$defs": defs}), budget_s=60)
 print("compiled", compiled.new_matcher().error)
 """
 

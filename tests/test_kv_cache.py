@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.tiny_models import VOCAB, build_reference, extend_logits, family_configs, reference_logits
-from verispec.engine.kv_cache import CacheError, KVCache
+from verispec.models.kv_cache import CacheError, KVCache
 from verispec.models.decoder import BatchKV
 from verispec.models.loader import load_folder
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.tiny_models import build_reference, extend_logits, family_configs, reference_logits
-from verispec.engine.kv_cache import KVCache
+from verispec.models.kv_cache import KVCache
 from verispec.models.config import UnsupportedModelError, from_hf_config
 from verispec.models.loader import ModelFilesError, load_folder, resolve_dtype
 

@@ -8,7 +8,7 @@ import torch
 
 from tests.tiny_models import VOCAB, build_reference, family_configs, reference_greedy, reference_logits
 from verispec.engine.generate import greedy_batch
-from verispec.engine.kv_cache import KVCache
+from verispec.models.kv_cache import KVCache
 from verispec.models.decoder import BatchKV
 from verispec.models.loader import load_folder
 

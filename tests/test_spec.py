@@ -28,11 +28,11 @@ from verispec.engine.request import Collector, GenerationRequest
 from verispec.engine import sampling
 from verispec.engine.sampling import SamplingParams, make_generator, process_logits, sampling_probs
 from verispec.models.loader import load_folder
-from verispec.spec import verify as verify_module
-from verispec.spec.ngram import NgramProvider
-from verispec.spec.policy import AcceptanceEstimate, DraftPolicy, StepCosts, expected_tokens
-from verispec.spec.two_model import TwoModelProvider
-from verispec.spec.verify import VerifyRow, verify
+from verispec.engine import verify as verify_module
+from verispec.drafting.ngram import NgramProvider
+from verispec.engine.draft_length import AcceptanceEstimate, CostPolicy, StepCosts, expected_tokens
+from verispec.drafting.two_model import TwoModelProvider
+from verispec.engine.verify import VerifyRow, verify
 
 FAMILIES = ["llama", "qwen3", "gemma3"]
 
@@ -110,7 +110,7 @@ def test_speculation_off_by_environment(family, monkeypatch):
     _, target, _ = family
     monkeypatch.setenv("VERISPEC_SPEC", "0")
     engine = _engine(target, NgramProvider())
-    assert engine.speculator is None
+    assert not engine.drafting.active
     assert engine.generate(GenerationRequest([1, 2, 3], 4)).speculation is None
 
 
@@ -162,7 +162,7 @@ def sample_first_tokens(target, drafter, n_requests: int, n: int = 3) -> dict[tu
     for c in collectors:
         key = tuple(c.result(0).token_ids[:n])
         counts[key] = counts.get(key, 0) + 1
-    spec = engine.speculator.totals
+    spec = engine.drafting.totals
     assert spec.drafted > 0 and 0 < spec.accepted < spec.drafted, "both acceptances and rejections happened"
     return counts
 
@@ -229,7 +229,7 @@ def test_verify_greedy_keeps_the_matching_prefix():
 
 def test_policy_drafts_what_pays_and_probes_when_idle():
     cpu_like = StepCosts({1: 1.0, 2: 1.15, 4: 1.21, 8: 1.33, 16: 1.62, 32: 2.2})
-    policy = DraftPolicy(max_draft=8, costs=cpu_like)
+    policy = CostPolicy(max_draft=8, costs=cpu_like)
     good = AcceptanceEstimate(accepted=90, rejected=10)
     bad = AcceptanceEstimate(accepted=1, rejected=30)
     assert policy.choose(good, batch_tokens=1, limit=8) >= 4
@@ -238,7 +238,7 @@ def test_policy_drafts_what_pays_and_probes_when_idle():
     probes = [i for i, k in enumerate(choices) if k]
     assert probes == [7, 23, 55] and max(choices) == 1, "a hopeless row probes with one token, ever more rarely"
     assert policy.choose(good, batch_tokens=1, limit=0) == 0
-    flat = DraftPolicy(max_draft=8, costs=StepCosts.flat())
+    flat = CostPolicy(max_draft=8, costs=StepCosts.flat())
     assert flat.choose(AcceptanceEstimate(accepted=5, rejected=5), batch_tokens=1, limit=8) == 8, \
         "when extra tokens are free, drafting the most always pays"
     assert math.isclose(expected_tokens(0.5, 2), 1.75) and expected_tokens(1.0, 3) == 4.0

@@ -16,9 +16,9 @@ from verispec.errors import UserError
 from verispec.models.loader import LoadedModel, load_model
 from verispec.models.tokenizer import encode_chat
 from verispec.server.launch import live_server
-from verispec.spec.factory import build_drafter
-from verispec.spec.ngram import NgramProvider
-from verispec.spec.two_model import TwoModelProvider
+from verispec.drafting.factory import build_drafter
+from verispec.drafting.ngram import NgramProvider
+from verispec.drafting.two_model import TwoModelProvider
 
 pytestmark = pytest.mark.real_model
 

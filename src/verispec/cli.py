@@ -8,7 +8,6 @@ Set VERISPEC_DEBUG=1 to see the traceback anyway.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -168,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _is_user_error(e: Exception) -> bool:
-    from verispec.engine.kv_cache import CacheError
+    from verispec.models.kv_cache import CacheError
     from verispec.models.config import UnsupportedModelError
-    from verispec.models.loader import ModelFilesError
+    from verispec.models.config import ModelFilesError
     from verispec.models.registry import RegistryError
 
     return isinstance(e, (UserError, ValueError, CacheError, UnsupportedModelError, ModelFilesError, RegistryError, OSError))
@@ -196,31 +195,6 @@ def _dispatch(args) -> int:
 
         return run_dspark(args)
     raise UserError(f"unknown command {args.command!r}")
-
-
-def parse_logit_bias(items: list[str]) -> dict[int, float]:
-    bias = {}
-    for item in items:
-        token, sep, value = item.partition(":")
-        try:
-            bias[int(token)] = float(value)
-        except ValueError:
-            raise UserError(f"--logit-bias expects ID:BIAS, got {item!r}") from None
-        if not sep:
-            raise UserError(f"--logit-bias expects ID:BIAS, got {item!r}")
-    return bias
-
-
-def read_messages(path: str) -> list[dict]:
-    try:
-        messages = json.loads(open(path).read())
-    except FileNotFoundError:
-        raise UserError(f"--messages: no such file: {path}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"--messages: {path} is not valid JSON ({e})") from None
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-        raise UserError("--messages: expected a JSON list of {\"role\": ..., \"content\": ...} objects")
-    return messages
 
 
 if __name__ == "__main__":

@@ -137,7 +137,7 @@ a whole run for the default model (each command can be stopped and rerun; README
     _target_options(me)
 
 
-# stage -> the module under verispec.spec.dspark whose run_<stage>(args) carries it out
+# stage -> the module under verispec.training.dspark whose run_<stage>(args) carries it out
 STAGES = ("datagen", "features", "train", "calibrate", "measure")
 
 
@@ -148,5 +148,5 @@ def run_dspark(args) -> int:
 
     if args.stage not in STAGES:
         raise UserError(f"choose a stage: verispec dspark {{{','.join(STAGES)}}} --help")
-    module = importlib.import_module(f"verispec.spec.dspark.{args.stage}")
+    module = importlib.import_module(f"verispec.training.dspark.{args.stage}")
     return getattr(module, f"run_{args.stage}")(args)

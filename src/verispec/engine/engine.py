@@ -1,15 +1,16 @@
 """The engine: one loop, continuous batching, every running row in one forward per step.
 
     step():  plan = scheduler.plan()            admit by KV budget, decode rows + prefill chunks
-             drafts = speculator.propose(...)   per decoding row, 0..k tokens (spec/, optional;
-                                                a row whose grammar forces tokens drafts those)
+             drafts = drafting.drafts(...)      per decoding row, 0..k tokens: what its grammar
+                                                forces, else what its source proposes, as many
+                                                as engine/draft_length.py says (none without one)
              runner.forward(work)               one packed forward: [pending, drafts...] per
                                                 decoding row, the next chunk per prompt
              runner.decide(work)                per-row params in one batched call; verify
                                                 keeps each row's accepted drafts + 1 token
              accept(row, token) for each        detokenize, stop strings, finish, emit deltas
 
-Rows join and leave between steps. Each row owns its KV (kv_cache.py), so joining or
+Rows join and leave between steps. Each row owns its KV (models/kv_cache.py), so joining or
 leaving, or rolling back rejected drafts, never touches another row's cache. Callers talk
 to the engine from any thread through `submit` / `cancel` (a thread-safe inbox, applied at
 the start of the next step); the engine answers through each request's sink.
@@ -59,12 +60,13 @@ from verispec.engine.request import (
     TokenInfo,
 )
 from verispec.engine import runner
+from verispec.engine.draft import MAX_DRAFT_TOKENS, DraftProvider, NoDrafter
+from verispec.engine.draft_length import DraftLength, measure_step_costs
+from verispec.engine.drafting import Drafting, speculation_enabled
 from verispec.engine.row import Row, RowState
 from verispec.engine.runner import Work
 from verispec.engine.scheduler import Scheduler
 from verispec.models.decoder import Decoder
-from verispec.spec.source import Draft, DraftProvider
-from verispec.spec.speculator import RowSpecStats
 
 log = logging.getLogger("verispec.engine")
 
@@ -78,8 +80,6 @@ DEFAULT_PREFILL_CHUNK = 128
 DEFAULT_IDLE_PREFILL_CHUNK = 512  # when nothing decodes, only time to first token matters
 DEFAULT_MAX_WAITING = 1024
 DEFAULT_NUM_DRAFT_TOKENS = 8
-# a rejected tail is rolled back from the KV cache; sliding-window rings keep this margin
-MAX_DRAFT_TOKENS = 63
 KV_BUDGET_FRACTION_CPU = 0.5  # of available RAM after the model is loaded
 KV_BUDGET_FRACTION_GPU = 0.8  # of free device memory
 
@@ -92,8 +92,8 @@ class EngineConfig:
     idle_prefill_chunk: int = DEFAULT_IDLE_PREFILL_CHUNK
     max_waiting: int = DEFAULT_MAX_WAITING
     max_model_len: int | None = None  # context cap; None: the model's own
-    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS  # most drafts a row verifies per step (with a drafter)
-    adaptive_draft: bool = True  # draft only as much as pays (spec/policy.py); False: always the most
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS  # most drafts a row verifies per step
+    adaptive_draft: bool = True  # draft only as much as pays (engine/draft_length.py); False: always the most
     forced_drafts: bool = True  # a grammar row drafts the tokens its grammar forces (up to num_draft_tokens)
 
     def __post_init__(self):
@@ -140,23 +140,18 @@ class Engine:
         self._loop_thread: threading.Thread | None = None  # whichever thread runs the loop
         self._stopping = False
         self.started_at = time.time()
-        self.speculator = self._speculator(drafter)
+        self.drafting = self._drafting(drafter)
 
-    def _speculator(self, drafter: DraftProvider | None):
-        from verispec.spec.policy import StepCosts, measure_step_costs
-        from verispec.spec.speculator import Speculator, speculation_enabled
-
-        if drafter is None:
-            return None
-        if not speculation_enabled():
+    def _drafting(self, drafter: DraftProvider | None) -> Drafting:
+        if drafter is not None and not speculation_enabled():
             log.warning("VERISPEC_SPEC=0: speculation is off (%s not used)", drafter.describe())
-            return None
-        adaptive = self.config.adaptive_draft
-        costs = measure_step_costs(self.model) if adaptive else StepCosts.flat()
-        draft_costs = drafter.draft_costs(costs) if adaptive else (0.0, 0.0)
-        # a block drafter (DSpark) proposes at most its block size, whatever the flag says
-        max_draft = min(self.config.num_draft_tokens, getattr(drafter, "block_size", None) or MAX_DRAFT_TOKENS)
-        return Speculator(drafter, max_draft, costs, adaptive, draft_costs)
+            drafter = None
+        provider = drafter or NoDrafter()
+        adaptive = self.config.adaptive_draft and drafter is not None
+        costs = measure_step_costs(self.model) if adaptive else None
+        length = DraftLength(self.config.num_draft_tokens, provider.max_draft, costs, adaptive,
+                             provider.draft_costs(costs) if adaptive else (0.0, 0.0))
+        return Drafting(provider, length, self.config.forced_drafts)
 
     # -- API (any thread) -----------------------------------------------------------
 
@@ -176,8 +171,7 @@ class Engine:
 
     def _row_bytes(self, capacity: int) -> int:
         """KV a row of `capacity` tokens reserves: the target's, and its draft source's."""
-        extra = self.speculator.provider.kv_bytes(capacity) if self.speculator is not None else 0
-        return self.cache.bytes_for(capacity) + extra
+        return self.cache.bytes_for(capacity) + self.drafting.provider.kv_bytes(capacity)
 
     def check(self, request: GenerationRequest) -> int:
         """Refuse what can never run (RequestRejected, naming the field); return the bytes
@@ -310,9 +304,9 @@ class Engine:
             "generation_tokens": m.generation_tokens,
             "steps": m.steps,
             "uptime_s": round(time.time() - self.started_at, 1),
-            "speculation": self.speculator.stats() if self.speculator is not None else None,
-            "forced_drafts": {"enabled": self.config.forced_drafts, "drafted": m.forced_drafted,
-                              "accepted": m.forced_accepted},
+            "speculation": self.drafting.stats(),
+            "forced_drafts": {"enabled": self.config.forced_drafts, "drafted": self.drafting.totals.forced_drafted,
+                              "accepted": self.drafting.totals.forced_accepted},
         }
 
     # -- the loop -------------------------------------------------------------------
@@ -331,51 +325,25 @@ class Engine:
         plan = self.scheduler.plan()
         if not plan:
             return False
-        spec = self.speculator
-        if spec is not None:
-            for row in plan.admitted:
-                spec.attach(row)
-        prefill_tokens = sum(c.stop - c.start for c in plan.prefill)
-        drafts = self._drafts(plan.decode, len(plan.decode) + prefill_tokens)
-        work = [Work(row, [row.pending] + (drafts[i].tokens if drafts else []), True,
-                     drafts[i] if drafts else Draft(), decode=True) for i, row in enumerate(plan.decode)]
-        chunks = {}
-        for c in plan.prefill:
-            item = Work(c.row, c.row.request.prompt_ids[c.start : c.stop], c.completes_prompt)
-            chunks[id(item)] = c
-            work.append(item)
-        done = runner.forward(self.model, work, spec.taps if spec else (), self._fail)
+        drafting = self.drafting
+        for row in plan.admitted:
+            drafting.attach(row)
+        batch_tokens = len(plan.decode) + sum(c.stop - c.start for c in plan.prefill)
+        drafts = drafting.drafts(plan.decode, batch_tokens)
+        work = [Work.decoding(row, draft) for row, draft in zip(plan.decode, drafts)]
+        work += [Work.prefilling(chunk) for chunk in plan.prefill]
+        done = runner.forward(self.model, work, drafting.taps, self._fail)
         self.metrics.steps += 1
-        self.metrics.step_tokens += sum(len(w.tokens) for w in done)
         for item in done:
-            chunk = chunks.get(id(item))
-            if chunk is not None:
-                item.row.prefilled = chunk.stop
-                if chunk.completes_prompt:
+            if item.chunk is not None:
+                item.row.prefilled = item.chunk.stop
+                if item.chunk.completes_prompt:
                     item.row.state = RowState.DECODE
-                if spec is not None:
-                    spec.prefill(item.row, item.tokens, item.hidden)
+                drafting.prefill(item.row, item.tokens, item.hidden)
         emitting = [w for w in done if w.emits and w.row.state is not RowState.FINISHED]
         for item, infos in (runner.decide(emitting, self._fail) if emitting else []):
             self._advance(item, infos)
         return True
-
-    def _drafts(self, rows: list[Row], batch_tokens: int) -> list[Draft] | None:
-        """Each decoding row's draft: what its grammar forces, else what its source proposes."""
-        forced = [self._forced(row) for row in rows] if self.config.forced_drafts else [None] * len(rows)
-        spec = self.speculator
-        if spec is None:
-            return [f or Draft() for f in forced] if any(forced) else None
-        ask = [row for row, f in zip(rows, forced) if f is None]
-        proposed = iter(spec.propose(ask, batch_tokens) if ask else ())
-        return [f if f is not None else next(proposed) for f in forced]
-
-    def _forced(self, row: Row) -> Draft | None:
-        if row.grammar is None:
-            return None
-        limit = min(self.config.num_draft_tokens, row.request.max_tokens - len(row.output) - 1)
-        tokens = row.grammar.forced(limit) if limit > 0 else []
-        return Draft(tokens, forced=True) if tokens else None
 
     def _advance(self, item: Work, infos: list[TokenInfo]) -> None:
         """A row's tokens of this step: roll back what verification rejected, tell its
@@ -384,16 +352,8 @@ class Engine:
         rejected = len(item.draft) - (len(infos) - 1)
         if rejected:
             row.kv.rollback(rejected)
-        if item.draft.forced:
-            self.metrics.forced_drafted += len(item.draft)
-            self.metrics.forced_accepted += len(infos) - 1
-        if self.speculator is not None and item.decode:
-            self.speculator.commit(row, item.draft, [i.token for i in infos], item.hidden)
-        elif item.decode and row.grammar is not None and self.config.forced_drafts:
-            # no drafter, but the grammar drafts: the same usage block a drafter's rows get
-            if row.spec is None:
-                row.spec = RowSpecStats()
-            row.spec.record(item.draft, len(infos))
+        if item.decode:
+            self.drafting.commit(row, item.draft, [i.token for i in infos], item.hidden)
         self._observe_latency(row, len(infos))
         for info in infos:
             self._accept(row, info)
@@ -464,7 +424,7 @@ class Engine:
         out = RequestOutput(row.id, text, tokens, finish, error, row.prompt_len, len(row.output))
         if finish is not None:
             out.time_to_first_token, out.decode_time = row.timings()
-            out.speculation = row.spec.usage() if row.spec is not None else None
+            out.speculation = self.drafting.usage(row)
         try:
             row.sink(out)
         except Exception:  # noqa: BLE001 - a broken consumer must not break the engine
@@ -475,8 +435,7 @@ class Engine:
             return
         self.scheduler.remove(row)
         self._rows.pop(row.id, None)
-        if self.speculator is not None:
-            self.speculator.detach(row)
+        self.drafting.detach(row)
         self.metrics.requests_finished[reason] += 1
         self.metrics.e2e.observe(time.perf_counter() - row.arrival)
         if error:

@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from verispec.engine.kv_cache import KVCache, SequenceKV
+from verispec.models.kv_cache import KVCache, SequenceKV
 from verispec.models.decoder import BatchKV, Decoder
 
 DEFAULT_PREFILL_CHUNK = 512

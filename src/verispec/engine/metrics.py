@@ -43,9 +43,6 @@ class EngineMetrics:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
-    step_tokens: int = 0  # tokens fed to the model over all steps
-    forced_drafted: int = 0  # structured output: tokens the grammar forced, verified as drafts
-    forced_accepted: int = 0
     ttft: Histogram = field(default_factory=Histogram)
     inter_token: Histogram = field(default_factory=Histogram)
     e2e: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS + (60.0, 120.0, 300.0)))

@@ -14,7 +14,7 @@ from enum import Enum
 
 import torch
 
-from verispec.engine.kv_cache import SequenceKV
+from verispec.models.kv_cache import SequenceKV
 from verispec.engine.request import GenerationRequest, Sink, TokenInfo
 from verispec.engine.sampling import make_generator
 from verispec.engine.textstream import TextStream
@@ -45,10 +45,10 @@ class Row:
         self.generator = None if self.params.is_greedy else make_generator(self.params.seed)
         # penalties read the prompt every step: one tensor, made once
         self.prompt_tensor = torch.tensor(request.prompt_ids, dtype=torch.long) if self.params.has_penalties else None
-        # speculation (spec/speculator.py attaches these when the engine has a drafter)
+        # drafting (engine/drafting.py attaches these at admission)
         self.source = None
         self.source_needs_hidden = False
-        self.spec = None
+        self.draft_stats = None
         self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None

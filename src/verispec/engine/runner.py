@@ -5,7 +5,7 @@ drafts...]` for a decoding row) and, after `forward`, its logits and tapped hidd
 states. `decide` turns the logits of the rows that emit into tokens: every row's
 positions go through the processors in one batched call (each position with its own
 history: the output plus the drafts before it, and, for a row with a grammar, the mask
-of the grammar's state at that position: engine/grammar_masks.py), then spec/verify.py keeps the longest
+of the grammar's state at that position: engine/grammar_masks.py), then engine/verify.py keeps the longest
 acceptable prefix of each row's drafts and draws the token after it. A row without drafts
 is the k = 0 case of the same rule, which is plain sampling.
 
@@ -26,8 +26,8 @@ from verispec.engine.request import TokenInfo
 from verispec.engine.row import Row
 from verispec.engine.sampling import process_logits, token_logprobs
 from verispec.models.decoder import BatchKV, Decoder
-from verispec.spec.source import Draft, Hidden
-from verispec.spec.verify import VerifyRow, verify
+from verispec.engine.draft import Draft, Hidden
+from verispec.engine.verify import VerifyRow, verify
 
 OnFailure = Callable[[Row, Exception], None]
 
@@ -38,10 +38,21 @@ class Work:
     tokens: list[int]
     emits: bool  # samples tokens from this step (decode rows, a prompt's last chunk)
     draft: Draft = field(default_factory=Draft)
-    decode: bool = False  # feeds [pending, drafts...] (else a prompt chunk)
+    chunk: PrefillChunk | None = None  # the prompt chunk it feeds; None: it decodes [pending, drafts...]
     logits: torch.Tensor | None = None  # [positions, V]: all fed positions of a decode row, else the last
     hidden: Hidden | None = None  # per tap: [len(tokens), H]
-    failed: bool = False
+
+    @classmethod
+    def decoding(cls, row: Row, draft: Draft) -> "Work":
+        return cls(row, [row.pending, *draft.tokens], True, draft)
+
+    @classmethod
+    def prefilling(cls, chunk: PrefillChunk) -> "Work":
+        return cls(chunk.row, chunk.row.request.prompt_ids[chunk.start : chunk.stop], chunk.completes_prompt, chunk=chunk)
+
+    @property
+    def decode(self) -> bool:
+        return self.chunk is None
 
     @property
     def logit_positions(self) -> range:
@@ -58,7 +69,6 @@ def forward(model: Decoder, work: list[Work], taps: Sequence[int], on_failure: O
         return work
     except Exception as e:  # noqa: BLE001 - isolate the failing row below
         if len(work) == 1:
-            work[0].failed = True
             on_failure(work[0].row, e)
             return []
     survivors = []
@@ -67,7 +77,6 @@ def forward(model: Decoder, work: list[Work], taps: Sequence[int], on_failure: O
             _run(model, [item], taps)
             survivors.append(item)
         except Exception as e:  # noqa: BLE001
-            item.failed = True
             on_failure(item.row, e)
     return survivors
 

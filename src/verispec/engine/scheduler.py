@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from verispec.engine.kv_cache import KVCache
+from verispec.models.kv_cache import KVCache
 from verispec.engine.row import Row, RowState
 
 

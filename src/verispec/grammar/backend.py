@@ -1,6 +1,6 @@
 """The seam between the engine and a grammar library.
 
-A `GrammarBackend` compiles a `GrammarSpec` for one tokenizer into a `CompiledGrammar`;
+A `GrammarBackend` compiles a `Constraint` for one tokenizer into a `CompiledGrammar`;
 each request row gets its own `Matcher` from it. The engine needs only these operations:
 
 * `fill_bitmask(bitmask, row)`: the tokens allowed next, one bit per token id (int32
@@ -26,7 +26,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from verispec.grammar.spec import GrammarSpec
+from verispec.grammar.constraint import Constraint
 
 
 class Matcher(Protocol):
@@ -44,7 +44,7 @@ class Matcher(Protocol):
 
 
 class CompiledGrammar(Protocol):
-    spec: GrammarSpec
+    constraint: Constraint
     nbytes: int  # what it costs to keep in the compile cache (an estimate: see the backend)
 
     def new_matcher(self) -> Matcher: ...
@@ -55,7 +55,7 @@ class GrammarBackend(Protocol):
     fingerprint: str  # identifies the tokenizer: part of the compile-cache key
     vocab_size: int  # width of the masks (the model's logits)
 
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+    def compile(self, constraint: Constraint) -> CompiledGrammar:
         """Compile or raise GrammarError naming the problem."""
         ...
 

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 
 from verispec.grammar.backend import CompiledGrammar, GrammarBackend
 from verispec.grammar.guard import compile_guarded
-from verispec.grammar.spec import GrammarSpec
+from verispec.grammar.constraint import Constraint
 
 DEFAULT_CACHE_BYTES = 64 * 2**20
 
@@ -34,9 +34,9 @@ class GrammarCache:
         self.bytes = 0
         self.hits = self.misses = self.compiles = 0
 
-    def get(self, spec: GrammarSpec) -> CompiledGrammar:
-        """The compiled grammar for `spec` (GrammarError if it does not compile)."""
-        key = (self.backend.fingerprint, spec)
+    def get(self, constraint: Constraint) -> CompiledGrammar:
+        """The compiled grammar for `constraint` (GrammarError if it does not compile)."""
+        key = (self.backend.fingerprint, constraint)
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
@@ -54,7 +54,7 @@ class GrammarCache:
         if not owner:
             return future.result()
         try:
-            compiled = compile_guarded(self.backend, spec)
+            compiled = compile_guarded(self.backend, constraint)
         except BaseException as e:
             with self._lock:
                 del self._inflight[key]

@@ -1,6 +1,6 @@
 """Compiling a constraint so that no request can crash the process or hold it hostage.
 
-`compile_guarded(backend, spec)` is the only way verispec compiles a grammar (the
+`compile_guarded(backend, constraint)` is the only way verispec compiles a grammar (the
 server's GrammarCache and `verispec generate` both call it):
 
 1. the limits of grammar/limits.py, in Python, before native code sees the input;
@@ -39,7 +39,7 @@ import threading
 import time
 
 from verispec.grammar import limits
-from verispec.grammar.spec import GrammarError, GrammarSpec
+from verispec.grammar.constraint import GrammarError, Constraint
 
 GUARD_STACK_BYTES = 64 * 2**20
 COMPILE_BUDGET_S = 5.0
@@ -51,10 +51,10 @@ _running = threading.BoundedSemaphore(MAX_CONCURRENT)
 _stack_lock = threading.Lock()
 
 
-def compile_guarded(backend, spec: GrammarSpec, budget_s: float = COMPILE_BUDGET_S):
-    """backend.compile(spec), bounded, on a big-stack thread, within `budget_s` seconds;
+def compile_guarded(backend, constraint: Constraint, budget_s: float = COMPILE_BUDGET_S):
+    """backend.compile(constraint), bounded, on a big-stack thread, within `budget_s` seconds;
     GrammarError for anything that goes wrong."""
-    limits.check(spec)
+    limits.check(constraint)
     deadline = time.monotonic() + budget_s
     if not _running.acquire(timeout=budget_s):
         raise GrammarError(f"the server is compiling {MAX_CONCURRENT} other grammars; retry in a moment")
@@ -62,7 +62,7 @@ def compile_guarded(backend, spec: GrammarSpec, budget_s: float = COMPILE_BUDGET
 
     def work():
         try:
-            result["value"] = backend.compile(spec)
+            result["value"] = backend.compile(constraint)
         except GrammarError as e:
             result["error"] = e
         except BaseException as e:  # noqa: BLE001 - native panics arrive as BaseException

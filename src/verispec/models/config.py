@@ -10,17 +10,26 @@ by transformers itself is read here and the resulting model matches transformers
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
+from verispec.models.families import SUPPORTED_MODEL_TYPES, Family, UnsupportedModelError, family
 
-# gemma3 multimodal checkpoints nest the text model; we serve the text part only.
-_MODEL_TYPE_ALIASES = {"gemma3": "gemma3_text", "mistral": "llama"}
+__all__ = ["SUPPORTED_MODEL_TYPES", "ModelArgs", "ModelFilesError", "RopeArgs", "UnsupportedModelError",
+           "from_hf_config", "read_config"]
 
 
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture or one of its settings is not implemented."""
+class ModelFilesError(FileNotFoundError):
+    """A model folder is missing files we need."""
+
+
+def read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelFilesError(f"{folder}: no config.json (is this a Hugging Face model folder?)")
+    return json.loads(path.read_text())
 
 
 @dataclass(frozen=True)
@@ -111,10 +120,10 @@ def _rope_from(params: dict | None, default_theta: float) -> RopeArgs:
     )
 
 
-def _rope_settings(cfg: dict, model_type: str) -> tuple[RopeArgs, RopeArgs]:
+def _rope_settings(cfg: dict, fam: Family) -> tuple[RopeArgs, RopeArgs]:
     """(global, local) rope for the config, accepting both transformers spellings."""
     params = cfg.get("rope_parameters")
-    theta = float(cfg.get("rope_theta", 10000.0 if model_type != "qwen3" else 1e6))
+    theta = float(cfg.get("rope_theta", fam.rope_theta))
     if isinstance(params, dict) and "full_attention" in params:
         full = _rope_from(params["full_attention"], theta)
         local = _rope_from(params.get("sliding_attention") or params["full_attention"], theta)
@@ -129,19 +138,19 @@ def _rope_settings(cfg: dict, model_type: str) -> tuple[RopeArgs, RopeArgs]:
     return full, local
 
 
-def _layer_windows(cfg: dict, model_type: str, num_layers: int) -> tuple[int | None, ...]:
+def _layer_windows(cfg: dict, fam: Family, num_layers: int) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
-    if model_type == "gemma3_text":
+    if fam.sliding == "interleaved":
         if not layer_types:
             pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
             layer_types = [
                 "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)
             ]
         return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
-    # llama/qwen: qwen2/3 ship sliding_window in config but use it only when
-    # use_sliding_window is true (and then only on layers >= max_window_layers).
-    if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window:
+    # qwen2/3 ship sliding_window in config but use it only when use_sliding_window is
+    # true (and then only on layers >= max_window_layers).
+    if fam.sliding == "opt_in" and cfg.get("use_sliding_window") and window:
         if layer_types:
             return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
         first = int(cfg.get("max_window_layers", num_layers))
@@ -152,19 +161,15 @@ def _layer_windows(cfg: dict, model_type: str, num_layers: int) -> tuple[int | N
 def from_hf_config(cfg: dict) -> ModelArgs:
     """Translate a Hugging Face config.json dict into ModelArgs."""
     if "text_config" in cfg and cfg.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        # multimodal checkpoints nest the text model; we serve the text part only
         cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
-    model_type = cfg.get("model_type")
-    model_type = _MODEL_TYPE_ALIASES.get(model_type, model_type)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"model_type {cfg.get('model_type')!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    fam = family(cfg.get("model_type"))
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     num_layers = int(cfg["num_hidden_layers"])
-    rope_global, rope_local = _rope_settings(cfg, model_type)
-    gemma = model_type == "gemma3_text"
+    rope_global, rope_local = _rope_settings(cfg, fam)
+    gemma = fam.gemma_layers
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
     if act in ("gelu_pytorch_tanh", "gelu_tanh"):
         act = "gelu_tanh"
@@ -172,7 +177,7 @@ def from_hf_config(cfg: dict) -> ModelArgs:
         raise UnsupportedModelError(f"activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
     qpas = cfg.get("query_pre_attn_scalar")
     return ModelArgs(
-        model_type=model_type,
+        model_type=fam.name,
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(cfg["intermediate_size"]),
@@ -184,17 +189,17 @@ def from_hf_config(cfg: dict) -> ModelArgs:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         # qwen2 hard-wires bias on q/k/v only; the others put attention_bias on all four
-        attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        o_proj_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
+        attention_bias=fam.qkv_bias or bool(cfg.get("attention_bias", False)),
+        o_proj_bias=not fam.qkv_bias and bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         activation=act,
-        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        qk_norm=fam.qk_norm,
         norm_offset=1.0 if gemma else 0.0,
         sandwich_norms=gemma,
         embed_scale=math.sqrt(hidden) if gemma else 1.0,
         attn_scale=float(qpas) ** -0.5 if (gemma and qpas) else None,
         final_logit_softcap=cfg.get("final_logit_softcapping") if gemma else None,
-        layer_windows=_layer_windows(cfg, model_type, num_layers),
+        layer_windows=_layer_windows(cfg, fam, num_layers),
         rope_global=rope_global,
         rope_local=rope_local,
     )

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verispec.engine.kv_cache import DEFAULT_MAX_ROLLBACK, KeyPlan, KVCache, SequenceKV
+from verispec.models.kv_cache import DEFAULT_MAX_ROLLBACK, KeyPlan, KVCache, SequenceKV
 from verispec.models.config import ModelArgs, RopeArgs
 from verispec.models.linear import Linear, pack_weight, packed_linear, packing_enabled
 

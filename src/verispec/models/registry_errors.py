@@ -14,4 +14,4 @@ class ModelFetchError(RegistryError):
 
 
 class ModelNotFoundError(RegistryError):
-    """A model spec is neither a registry name, a local model, nor a reachable Hub repo."""
+    """A model name is neither a registry name, a local model, nor a reachable Hub repo."""

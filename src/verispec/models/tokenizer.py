@@ -14,7 +14,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from verispec.models.loader import read_config
+from verispec.models.config import read_config
 
 
 def load_tokenizer(folder: str | Path):
@@ -122,8 +122,8 @@ def generation_defaults(folder: str | Path, name: str | None = None) -> dict:
                     if isinstance(config.get(k), (int, float)) and not isinstance(config.get(k), bool)}
     from verispec.models import registry
 
-    spec = registry.REGISTRY.get(name or "")
-    if spec is None:  # an embedded model named by its converted folder
+    entry = registry.REGISTRY.get(name or "")
+    if entry is None:  # an embedded model named by its converted folder
         here = Path(folder).resolve()
-        spec = next((s for n, s in registry.REGISTRY.items() if registry._model_folder(n).resolve() == here), None)
-    return dict(spec.sampling) if spec is not None else {}
+        entry = next((s for n, s in registry.REGISTRY.items() if registry._model_folder(n).resolve() == here), None)
+    return dict(entry.sampling) if entry is not None else {}

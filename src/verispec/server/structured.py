@@ -16,7 +16,7 @@ Sources (at most one per request, else a 400 naming both):
   text and a call needs a parser for the model's own tool-call format.
 
 The fields themselves are parsed by server/protocol.py; this module gives them meaning.
-The constraint becomes a GrammarSpec, compiled through the shared GrammarCache in a
+The constraint becomes a grammar Constraint, compiled through the shared GrammarCache in a
 worker thread (the event loop keeps serving); an invalid schema, regex or grammar is a
 400 with the compiler's message before any engine work.
 """
@@ -33,7 +33,7 @@ from typing import Any
 
 from verispec.engine.request import RequestRejected
 from verispec.grammar.cache import DEFAULT_CACHE_BYTES, GrammarCache
-from verispec.grammar.spec import GrammarError, GrammarSpec
+from verispec.grammar.constraint import GrammarError, Constraint
 from verispec.server.protocol import FunctionDef, NamedToolChoice, Tool
 
 log = logging.getLogger("verispec.server")
@@ -110,28 +110,28 @@ def array_items(text: str) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Constraint:
-    spec: GrammarSpec
+class AskedConstraint:
+    constraint: Constraint
     param: str  # the request field it came from (400s name it)
     tools: ToolMode | None = None
 
 
 def constraint(req, tools: list[Tool] | None = None, tool_choice: Any = None,
-               parallel_tool_calls: bool | None = None) -> Constraint | None:
+               parallel_tool_calls: bool | None = None) -> AskedConstraint | None:
     """The request's constraint, or None; RequestRejected naming the field when two
     sources conflict or one is malformed."""
     found = []
     rf = req.response_format
     if rf is not None and rf.type != "text":
         if rf.type == "json_object":
-            found.append(Constraint(GrammarSpec.json_object(), "response_format"))
+            found.append(AskedConstraint(Constraint.json_object(), "response_format"))
         else:
             if rf.json_schema is None:
                 raise RequestRejected("response_format of type json_schema needs a json_schema object",
                                       "response_format.json_schema")
             schema = rf.json_schema.schema_
             # OpenAI: strict defaults to false (best effort); we always enforce what we can
-            found.append(Constraint(GrammarSpec.json_schema({} if schema is None else schema,
+            found.append(AskedConstraint(Constraint.json_schema({} if schema is None else schema,
                                                             strict=bool(rf.json_schema.strict)),
                                     "response_format.json_schema.schema"))
     if req.guided_json is not None:
@@ -143,19 +143,19 @@ def constraint(req, tools: list[Tool] | None = None, tool_choice: Any = None,
                 raise RequestRejected(f"guided_json is not valid JSON: {e}", "guided_json") from None
             if not isinstance(schema, (dict, bool)):
                 raise RequestRejected("guided_json must be a JSON schema (an object)", "guided_json")
-        found.append(Constraint(GrammarSpec.json_schema(schema), "guided_json"))
+        found.append(AskedConstraint(Constraint.json_schema(schema), "guided_json"))
     if req.guided_regex is not None:
         if not req.guided_regex:
             raise RequestRejected("guided_regex must not be empty", "guided_regex")
-        found.append(Constraint(GrammarSpec.regex(req.guided_regex), "guided_regex"))
+        found.append(AskedConstraint(Constraint.regex(req.guided_regex), "guided_regex"))
     if req.guided_choice is not None:
         if any(not c for c in req.guided_choice):
             raise RequestRejected("guided_choice entries must not be empty", "guided_choice")
-        found.append(Constraint(GrammarSpec.choice(req.guided_choice), "guided_choice"))
+        found.append(AskedConstraint(Constraint.choice(req.guided_choice), "guided_choice"))
     if req.guided_grammar is not None:
         if not req.guided_grammar.strip():
             raise RequestRejected("guided_grammar must not be empty", "guided_grammar")
-        found.append(Constraint(GrammarSpec.grammar(req.guided_grammar), "guided_grammar"))
+        found.append(AskedConstraint(Constraint.grammar(req.guided_grammar), "guided_grammar"))
     tool = tool_constraint(tools, tool_choice, parallel_tool_calls is not False)
     if tool is not None:
         found.append(tool)
@@ -165,7 +165,7 @@ def constraint(req, tools: list[Tool] | None = None, tool_choice: Any = None,
     return found[0] if found else None
 
 
-def tool_constraint(tools: list[Tool] | None, tool_choice: Any, parallel: bool = True) -> Constraint | None:
+def tool_constraint(tools: list[Tool] | None, tool_choice: Any, parallel: bool = True) -> AskedConstraint | None:
     if tool_choice is not None and not tools and tool_choice != "none":
         raise RequestRejected("tool_choice needs tools", "tool_choice")
     if not tools or tool_choice == "none":
@@ -183,7 +183,7 @@ def tool_constraint(tools: list[Tool] | None, tool_choice: Any, parallel: bool =
                   "required": ["name", "arguments"], "additionalProperties": False} for name, f in by_name.items()]
         schema = {"type": "array", "minItems": 1, "maxItems": MAX_PARALLEL_TOOL_CALLS if parallel else 1,
                   "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
-        return Constraint(GrammarSpec.json_schema(schema), "tools", ToolMode(None))
+        return AskedConstraint(Constraint.json_schema(schema), "tools", ToolMode(None))
     if isinstance(tool_choice, dict):
         try:
             named = NamedToolChoice.model_validate(tool_choice)
@@ -193,7 +193,7 @@ def tool_constraint(tools: list[Tool] | None, tool_choice: Any, parallel: bool =
         if function is None:
             raise RequestRejected(f"tool_choice names {named.function.name!r}, which is not among the tools",
                                   "tool_choice.function.name")
-        return Constraint(GrammarSpec.json_schema(_parameters(function)), "tools", ToolMode(function.name))
+        return AskedConstraint(Constraint.json_schema(_parameters(function)), "tools", ToolMode(function.name))
     raise RequestRejected(TOOL_CHOICE_FORMS, "tool_choice")
 
 
@@ -231,13 +231,13 @@ class StructuredOutput:
 
         threading.Thread(target=build, name="verispec-grammar-warm", daemon=True).start()
 
-    def compile(self, c: Constraint):
+    def compile(self, c: AskedConstraint):
         try:
-            return self.cache.get(c.spec)
+            return self.cache.get(c.constraint)
         except GrammarError as e:
             raise RequestRejected(str(e), e.param or c.param) from None
 
-    async def compile_async(self, c: Constraint):
+    async def compile_async(self, c: AskedConstraint):
         return await asyncio.to_thread(self.compile, c)
 
     def stats(self) -> dict | None:

@@ -32,6 +32,7 @@ import torch
 from gguf import GGUFReader
 from tqdm.auto import tqdm
 
+from verispec.models.families import family
 from verispec.models.gguf.metadata import gguf_config, gguf_metadata, read_rope_freqs
 from verispec.models.gguf.tensor_mapping import PlannedTensor, convert_planned, plan_tensors
 
@@ -85,11 +86,11 @@ def _stop_token_ids(meta: Mapping[str, Any], config: Mapping[str, Any]) -> list[
     for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         if key in meta:
             ids.append(int(meta[key]))
-    if config["model_type"] == "gemma3_text":
-        # Google's gemma-3 generation_config stops on <end_of_turn> as well as <eos>.
-        tokens = meta.get("tokenizer.ggml.tokens") or []
-        if "<end_of_turn>" in tokens:
-            ids.append(tokens.index("<end_of_turn>"))
+    # e.g. Google's gemma-3 generation_config stops on <end_of_turn> as well as <eos>
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    for name in family(config["model_type"]).extra_stop_tokens:
+        if name in tokens:
+            ids.append(tokens.index(name))
     return list(dict.fromkeys(ids))
 
 

@@ -2,7 +2,7 @@
 
 ``gguf_metadata`` reads a file's key/value metadata as plain python values; ``gguf_config``
 builds an HF ``config.json`` dict from it for the llama, qwen2, qwen3 and gemma3
-architectures (``SUPPORTED_ARCHITECTURES``).
+architectures (``SUPPORTED_ARCHITECTURES``, read off models/families.py).
 
 What it is checked against (tests/test_gguf.py):
 
@@ -20,17 +20,16 @@ head_dim comes from ``attention.key_length`` (transformers keeps Qwen3Config's d
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, ReaderField
 
+from verispec.models.families import FAMILIES, gguf_family
 from verispec.models.gguf.dequant import dequantize_tensor
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
-    "ArchSpec",
     "gguf_config",
     "gguf_metadata",
     "read_rope_freqs",
@@ -38,19 +37,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class ArchSpec:
-    model_type: str
-    hf_class: str
-    default_rope_theta: float
-
-
-SUPPORTED_ARCHITECTURES: dict[str, ArchSpec] = {
-    "llama": ArchSpec("llama", "LlamaForCausalLM", 10000.0),
-    "qwen2": ArchSpec("qwen2", "Qwen2ForCausalLM", 10000.0),
-    "qwen3": ArchSpec("qwen3", "Qwen3ForCausalLM", 10000.0),
-    "gemma3": ArchSpec("gemma3_text", "Gemma3ForCausalLM", 1_000_000.0),
-}
+SUPPORTED_ARCHITECTURES = tuple(sorted(f.gguf_arch for f in FAMILIES.values() if f.gguf_arch))
 
 # HF Gemma3's defaults for what GGUF does not store.
 _GEMMA3_LOCAL_ROPE_THETA = 10000.0
@@ -164,6 +151,10 @@ def _gemma3_fields(meta: Mapping[str, Any], config: dict) -> dict:
     }
 
 
+# config fields a family stores under its own GGUF keys (the others only need hidden_act)
+_FAMILY_FIELDS = {"gemma3_text": _gemma3_fields}
+
+
 def _vocab_size(meta: Mapping[str, Any], arch: str) -> int:
     if f"{arch}.vocab_size" in meta:
         return int(meta[f"{arch}.vocab_size"])
@@ -177,7 +168,7 @@ def _head_dim(meta: Mapping[str, Any], arch: str, hidden: int, heads: int) -> in
     if f"{arch}.attention.key_length" in meta:
         return int(meta[f"{arch}.attention.key_length"])
     # llama.cpp's llama writer stores the head size only as the (full) rope dimension.
-    if arch == "llama" and f"{arch}.rope.dimension_count" in meta:
+    if gguf_family(arch).gguf_head_dim_from_rope and f"{arch}.rope.dimension_count" in meta:
         return int(meta[f"{arch}.rope.dimension_count"])
     return hidden // heads
 
@@ -196,11 +187,7 @@ def _token_ids(meta: Mapping[str, Any]) -> dict[str, int]:
 
 def _architecture(meta: Mapping[str, Any]) -> str:
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; supported: "
-            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-        )
+    gguf_family(arch)  # UnsupportedModelError (a ValueError) naming the supported ones
     return arch
 
 
@@ -210,13 +197,13 @@ def reader_architecture(reader: GGUFReader) -> str:
     return _architecture({"general.architecture": None if field is None else _field_value(field)})
 
 
+_BIAS_TENSORS = {"attention_bias": "blk.0.attn_q.bias", "mlp_bias": "blk.0.ffn_up.bias"}
+
+
 def _attention_bias_fields(arch: str, tensor_names: set[str]) -> dict:
-    has_qkv_bias = "blk.0.attn_q.bias" in tensor_names
-    if arch == "llama":
-        return {"attention_bias": has_qkv_bias, "mlp_bias": "blk.0.ffn_up.bias" in tensor_names}
-    if arch == "qwen3":
-        return {"attention_bias": has_qkv_bias}
-    return {}  # qwen2 always has q/k/v biases; gemma3 never
+    """The bias flags a family reads off the file's tensors (qwen2 always has q/k/v
+    biases, gemma3 never: their configs need no flag)."""
+    return {flag: _BIAS_TENSORS[flag] in tensor_names for flag in gguf_family(arch).gguf_bias_from_tensors}
 
 
 def read_rope_freqs(reader: GGUFReader) -> list[float] | None:
@@ -249,7 +236,7 @@ def gguf_config(
         meta = reader_or_metadata
     names = set(tensor_names or ())
     arch = _architecture(meta)
-    spec = SUPPORTED_ARCHITECTURES[arch]
+    fam = gguf_family(arch)
 
     def get(key: str, default: Any = None) -> Any:
         return _scalar_per_model(meta.get(f"{arch}.{key}", default), f"{arch}.{key}")
@@ -257,8 +244,8 @@ def gguf_config(
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
     config: dict[str, Any] = {
-        "architectures": [spec.hf_class],
-        "model_type": spec.model_type,
+        "architectures": [fam.hf_class],
+        "model_type": fam.name,
         "vocab_size": _vocab_size(meta, arch),
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
@@ -267,18 +254,16 @@ def gguf_config(
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
         "head_dim": _head_dim(meta, arch, hidden, heads),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(get("rope.freq_base", spec.default_rope_theta)),
+        "rope_theta": float(get("rope.freq_base", fam.gguf_rope_theta)),
         "max_position_embeddings": int(get("context_length")),
         "tie_word_embeddings": "output.weight" not in names,
         **_token_ids(meta),
         **_attention_bias_fields(arch, names),
     }
-    if arch != "gemma3":
-        config["hidden_act"] = "silu"
-    if arch == "gemma3":
-        config.update(_gemma3_fields(meta, config))
+    extra = _FAMILY_FIELDS.get(fam.name)
+    config.update(extra(meta, config) if extra else {"hidden_act": "silu"})
     scaling = _rope_scaling(meta, arch)
-    if scaling is None and rope_freqs is not None and arch == "llama":
+    if scaling is None and rope_freqs is not None and fam.gguf_rope_freqs:
         scaling = _llama3_rope_scaling(rope_freqs, config["head_dim"], config["rope_theta"])
     if scaling is not None:
         config["rope_scaling"] = scaling

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from gguf import GGUFReader, ReaderTensor
 
+from verispec.models.families import family, gguf_family
 from verispec.models.gguf.dequant import dequantize_tensor, torch_shape
 from verispec.models.gguf.metadata import gguf_config, reader_architecture
 
@@ -71,7 +72,7 @@ def hf_tensor_name(gguf_name: str, architecture: str) -> str | None:
         if stem in _GLOBAL_TENSORS:
             return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
         parts = stem.split(".")
-        table = _GEMMA3_LAYER_TENSORS if architecture == "gemma3" else _LAYER_TENSORS
+        table = _GEMMA3_LAYER_TENSORS if gguf_family(architecture).gemma_layers else _LAYER_TENSORS
         if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in table:
             return f"model.layers.{parts[1]}.{table[parts[2]]}.{suffix}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF name for {architecture!r}")
@@ -90,12 +91,12 @@ def _unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def _to_hf_layout(gguf_name: str, weight: torch.Tensor, config: Mapping[str, Any]) -> torch.Tensor:
     """Undo the layout changes llama.cpp's converter applied to this tensor."""
-    model_type = config["model_type"]
-    if model_type == "llama" and ".attn_q." in gguf_name:
+    fam = family(config["model_type"])
+    if fam.gguf_permuted_qk and ".attn_q." in gguf_name:
         return _unpermute_rope_rows(weight, config["num_attention_heads"])
-    if model_type == "llama" and ".attn_k." in gguf_name:
+    if fam.gguf_permuted_qk and ".attn_k." in gguf_name:
         return _unpermute_rope_rows(weight, config["num_key_value_heads"])
-    if model_type == "gemma3_text" and gguf_name.endswith("norm.weight"):
+    if fam.gguf_norms_plus_one and gguf_name.endswith("norm.weight"):
         # llama.cpp stores gemma norms as 1 + w (it multiplies by the stored value); HF's
         # Gemma3RMSNorm multiplies by (1 + w) itself.
         return weight - 1.0

@@ -1,5 +1,5 @@
 """The DSpark drafter: a DFlash parallel block backbone with multi-layer KV injection,
-a light sequential head and a confidence head (paper §2.2, §3; spec §2-4).
+a light sequential head and a confidence head (paper §2.2, §3; dspark-spec.md §2-4).
 
 Backbone (Eq 2-3). The target's hidden states from `target_layer_ids` are concatenated
 per position, projected by `fc` and normalized once (`hidden_norm`): that context H_ctx
@@ -18,21 +18,20 @@ query_pre_attn_scalar, gelu-tanh and final-logit soft-cap (gemma3, soft-cap appl
 the base logits before the Markov bias, as DeepSpec does for Gemma).
 
 Two ways through the backbone, one set of layer math:
-* `forward_train`: sequences with sampled anchor blocks, a dense boolean mask (the
-  training-time view; dropped blocks attend to nothing and get zero attention output, as
-  DeepSpec's flex and dense paths both do);
-* `draft`: decoding, per row an incremental `ContextCache` of the projected context K/V
+* training (training/dspark/forward.py): sequences with sampled anchor blocks and a
+  dense boolean mask;
+* decoding, here: per row an incremental `ContextCache` of the projected context K/V
   (only the context is cached; the block's K/V are recomputed every round, which is
-  DeepSpec's "crop to start"), rows packed for projections and MLPs, attention per row.
+  DeepSpec's "crop to start"), rows packed for projections and MLPs, attention per row
+  (`draft_hidden`), then the sequential head slot by slot (`propose`). On CPU the
+  linear layers are pre-packed for oneDNN (drafting/dspark/packing.py).
 
 Parameter names are DeepSpec's, so its checkpoints load with a plain state dict.
-Checked by tests/test_dspark.py against ../shared/oracles/deepspec-tiny (module outputs,
+Checked by tests/test_dspark.py against tests/fixtures/deepspec-tiny (module outputs,
 loss terms, greedy traces round by round).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +39,8 @@ from torch import nn
 
 from verispec.models.config import ModelArgs
 from verispec.models.decoder import RotaryTable, apply_rope
-from verispec.models.linear import pack_weight, packed_linear, packing_enabled
-from verispec.spec.dspark.config import DSparkConfig
-from verispec.spec.dspark.heads import HEADS, ConfidenceHead
+from verispec.drafting.dspark.config import DSparkConfig
+from verispec.drafting.dspark.heads import HEADS, ConfidenceHead
 
 
 class RMSNorm(nn.Module):
@@ -134,17 +132,6 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-@dataclass
-class TrainOutput:
-    draft_logits: torch.Tensor  # [B, A, gamma, V_draft] Markov-corrected, teacher forced
-    target_ids: torch.Tensor  # [B, A, gamma]
-    eval_mask: torch.Tensor  # [B, A, gamma] bool: the supervised prefix of each block
-    block_keep_mask: torch.Tensor  # [B, A]
-    confidence_logits: torch.Tensor | None  # [B, A, gamma]
-    aligned_target_logits: torch.Tensor | None  # [B, A, gamma, V] target at anchor + j
-    target_is_logprobs: bool = False  # aligned_target_logits already normalized (target_lse given)
-
-
 class ContextCache:
     """One row's projected context K/V for every draft layer (positions 0 .. length-1)."""
 
@@ -228,88 +215,6 @@ class DSparkDrafter(nn.Module):
             return self.confidence_head(torch.cat([h, prev_emb.to(h.dtype)], dim=-1))
         return self.confidence_head(h)
 
-    # -- training ------------------------------------------------------------------------
-
-    def forward_train(
-        self,
-        input_ids: torch.Tensor,
-        target_hidden: torch.Tensor,
-        loss_mask: torch.Tensor,
-        anchors: torch.Tensor,
-        block_keep_mask: torch.Tensor,
-        target_last_hidden: torch.Tensor | None = None,
-        target_head: nn.Module | None = None,
-        target_lse: torch.Tensor | None = None,
-    ) -> TrainOutput:
-        """All anchor blocks of a batch in one pass. `target_head` turns the target's
-        final hidden states into logits (default: this drafter's lm_head, which for a
-        full-vocabulary drafter is the target's own frozen copy). With `target_lse`
-        ([B, S], the logsumexp of the target's full logits) they become log-probabilities,
-        exact even when the head covers only a draft-vocabulary subset."""
-        B, S = input_ids.shape
-        A, g = anchors.shape[1], self.block_size
-        device = input_ids.device
-        keep = block_keep_mask.bool()
-        anchor_tokens = input_ids.gather(1, anchors)
-        noise = torch.full((B, A, g), self.config.mask_token_id, dtype=torch.long, device=device)
-        noise[:, :, 0] = torch.where(keep, anchor_tokens, torch.full_like(anchor_tokens, self.config.mask_token_id))
-        x = self.embed_block(noise.view(B, A * g))
-        ctx = self.context(target_hidden.to(x.dtype))
-        ctx_rope = self.rope(torch.arange(S, device=device))
-        blk_pos = (anchors[:, :, None] + torch.arange(g, device=device)).view(B, A * g)
-        blk_rope = tuple(t.view(B, A * g, 1, -1) for t in self.rope(blk_pos.reshape(-1)))
-        mask, visible = self._train_mask(anchors, keep, S)
-        for layer in self.layers:
-            u = layer.input_layernorm(x)
-            attn = layer.self_attn
-            k_ctx, v_ctx = attn.keys_values(ctx, ctx_rope)
-            k_blk, v_blk = attn.keys_values(u, blk_rope)
-            out = attn.attend(attn.queries(u, blk_rope), torch.cat([k_ctx, k_blk], 1), torch.cat([v_ctx, v_blk], 1), mask)
-            x = layer.finish(x, out * visible)
-        h = self.norm(x).view(B, A, g, -1)
-
-        target_ids, eval_mask, safe = block_labels(input_ids, loss_mask, anchors, keep, g)
-        prev_ids = torch.cat([anchor_tokens[:, :, None], target_ids[:, :, :-1]], dim=-1)
-
-        logits = self.base_logits(h)
-        confidence = None
-        if self.markov_head is not None:
-            prev_emb = self.markov_head.prev_embedding(prev_ids)
-            logits = logits + self.markov_head.block_bias(prev_emb, h)
-            confidence = self.confidence(h, prev_emb)
-        else:
-            confidence = self.confidence(h, None)
-
-        aligned = None
-        if target_last_hidden is not None:
-            idx = (safe - 1).clamp(min=0).view(B, -1, 1).expand(-1, -1, target_last_hidden.shape[-1])
-            aligned_hidden = target_last_hidden.gather(1, idx).view(B, A, g, -1).to(h.dtype)
-            head = target_head if target_head is not None else self.lm_head
-            aligned = head(aligned_hidden)
-            cap = self.config.args.final_logit_softcap
-            if cap:
-                aligned = torch.tanh(aligned / cap) * cap
-            if target_lse is not None:
-                lse = target_lse.gather(1, (safe - 1).clamp(min=0).view(B, -1)).view(B, A, g, 1)
-                aligned = aligned.float() - lse.float()
-        return TrainOutput(logits, target_ids, eval_mask, keep, confidence, aligned, target_lse is not None)
-
-    forward = forward_train  # what DistributedDataParallel calls
-
-    def _train_mask(self, anchors: torch.Tensor, keep: torch.Tensor, S: int):
-        """[B, 1, A*g, S + A*g] bool: context strictly before the anchor, the own block.
-        Dropped blocks see their own block (to keep the softmax finite) and their output
-        is zeroed by `visible` ([B, A*g, 1]), which is what an all-masked row gives."""
-        B, A = anchors.shape
-        g, device = self.block_size, anchors.device
-        block_of_query = torch.arange(A * g, device=device) // g
-        ctx_ok = torch.arange(S, device=device)[None, None, :] < anchors.repeat_interleave(g, dim=1)[:, :, None]
-        ctx_ok = ctx_ok & keep.repeat_interleave(g, dim=1)[:, :, None]
-        same_block = block_of_query[:, None] == block_of_query[None, :]
-        mask = torch.cat([ctx_ok, same_block.expand(B, -1, -1)], dim=-1)[:, None]
-        visible = keep.repeat_interleave(g, dim=1)[:, :, None].to(self.dtype)
-        return mask, visible
-
     # -- decoding ---------------------------------------------------------------------
 
     def new_cache(self, capacity: int) -> ContextCache:
@@ -389,58 +294,13 @@ class DSparkDrafter(nn.Module):
 
     def prepare_for_inference(self, pack: bool = True) -> "DSparkDrafter":
         """Eval mode, no gradients and, on CPU, every linear layer's weight pre-packed for
-        oneDNN (models/linear.py: MKL's small-row matmuls read weights at about half the
-        speed). The dense weights stay, so the state dict is unchanged."""
+        oneDNN (drafting/dspark/packing.py). The state dict is unchanged."""
+        from verispec.drafting.dspark.packing import pack_linears
+
         self.eval().requires_grad_(False)
-        if pack and packing_enabled(self.device):
-            for module in self.modules():
-                if isinstance(module, nn.Linear) and not isinstance(module, _PackedLinear):
-                    packed = pack_weight(module.weight)
-                    if packed is not None:
-                        module.__class__ = _PackedLinear
-                        module.packed = packed
+        if pack:
+            pack_linears(self)
         return self
-
-
-class _PackedLinear(nn.Linear):
-    """An nn.Linear whose forward uses a oneDNN-packed copy of its (kept) weight; the copy
-    is taken once, so the weight must not change afterwards (train an unprepared drafter)."""
-
-    packed: torch.Tensor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.weight.dtype or torch.is_grad_enabled() and self.weight.requires_grad:
-            return super().forward(x)
-        if x.dim() == 2:
-            return packed_linear(x, self.packed, self.bias)
-        return packed_linear(x.reshape(-1, x.shape[-1]), self.packed, self.bias).view(*x.shape[:-1], -1)
-
-
-def block_labels(input_ids, loss_mask, anchors, keep, block_size: int):
-    """(target ids, eval mask, clamped label index), each [B, A, gamma], from data alone: slot j
-    of the block at anchor p is labelled with the token at p + j + 1 and supervised while the
-    labels are in range and answer tokens (a contiguous prefix: the cumulative product)."""
-    B, S = input_ids.shape
-    A = anchors.shape[1]
-    labels = anchors[:, :, None] + torch.arange(1, block_size + 1, device=anchors.device)
-    safe = torch.where(keep[:, :, None], labels.clamp(max=S - 1), torch.zeros_like(labels))
-    target_ids = input_ids.gather(1, safe.view(B, -1)).view(B, A, block_size)
-    eval_mask = (labels < S) & (loss_mask.gather(1, safe.view(B, -1)).view(B, A, block_size) > 0.5) & keep[:, :, None]
-    return target_ids, eval_mask.int().cumprod(dim=-1).bool(), safe
-
-
-def sample_anchors(loss_mask: torch.Tensor, count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSpec's sampler for one sequence: up to `count` distinct positions i with
-    loss_mask[i] and loss_mask[i + 1] (the anchor and its first label are answer tokens),
-    uniformly without replacement, sorted; the unused slots are 0 and not kept."""
-    valid = (loss_mask[:-1] > 0.5) & (loss_mask[1:] > 0.5)
-    candidates = valid.nonzero().flatten()
-    chosen = candidates[torch.randperm(len(candidates), generator=generator)[:count]].sort().values
-    anchors = torch.zeros(count, dtype=torch.long)
-    keep = torch.zeros(count, dtype=torch.bool)
-    anchors[: len(chosen)] = chosen
-    keep[: len(chosen)] = True
-    return anchors, keep
 
 
 def confident_prefix(confidence_logits: torch.Tensor | None, threshold, length: int) -> int:

@@ -1,8 +1,11 @@
-"""The DraftSource seam: who proposes tokens, and what they are told back.
+"""Drafts: what one row verifies in a step, the seam through which the engine asks for
+them, and what each row's drafting came to.
 
-A `DraftProvider` lives as long as the server and owns whatever is shared (a draft
-model's weights); it mints one `DraftSource` per request. The engine talks to sources
-in the order tokens move through a row:
+Every decoding row verifies a draft each step: the tokens its grammar forces, or what
+its draft source proposed, or nothing (a row without a drafter has `NoDrafter`'s empty
+draft; verifying k = 0 drafts is plain sampling). A `DraftProvider` lives as long as the
+server and owns whatever is shared (a draft model's weights); it mints one `DraftSource`
+per request. The engine talks to sources in the order tokens move through a row:
 
     prefill(tokens, hidden)          a chunk of the prompt entered the target's KV cache
     draft(pending, max_n) -> Draft   propose up to max_n tokens to follow `pending` (the
@@ -28,7 +31,11 @@ deterministically; verification then samples from `p` and keeps drafts while the
 
 `draft_batch` lets a provider propose for all rows of a step at once (a draft model runs
 one batched forward per draft position instead of one per row); the default asks each
-source in turn.
+source in turn. `max_draft` is the most a provider can propose in one round (a DSpark
+drafter: its block size); how many a row actually drafts is engine/draft_length.py's.
+
+Checked through the engine by tests/test_spec.py and tests/test_dspark.py (every source
+greedy-identical to plain decoding; the usage block's counts).
 """
 
 from __future__ import annotations
@@ -37,16 +44,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verispec.engine.draft_length import AcceptanceEstimate
 from verispec.engine.sampling import SamplingParams
+from verispec.models.kv_cache import DEFAULT_MAX_ROLLBACK
 
 Hidden = tuple[torch.Tensor, ...]
+
+# A step feeds [pending, d_1 .. d_k] and rolls back what verification rejected, so k is
+# bounded by what the KV cache can roll back (sliding-window rings keep that margin).
+MAX_DRAFT_TOKENS = DEFAULT_MAX_ROLLBACK - 1
 
 
 @dataclass
 class Draft:
     tokens: list[int] = field(default_factory=list)
     q: torch.Tensor | None = None  # [len(tokens), V] float32 probabilities each token was drawn from
-    forced: bool = False  # the row's grammar forced these tokens (engine.py); no source drafted them
+    forced: bool = False  # the row's grammar forced these tokens; no source drafted them
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -56,7 +69,7 @@ class Draft:
 class SourceContext:
     """What a source may read about its request: the prompt, the output so far (a live
     list: it grows as tokens are accepted; its last item is the pending token), the
-    sampling parameters and the request's seed."""
+    sampling parameters and the request's token limit."""
 
     prompt: list[int]
     output: list[int]
@@ -81,7 +94,7 @@ class DraftSource:
 class DraftProvider:
     name = "none"
     taps: tuple[int, ...] = ()  # target layers whose hidden states every source needs
-    provides_q = False  # whether drafts come with their distributions
+    max_draft: int = MAX_DRAFT_TOKENS  # the most one round can propose
 
     def new_source(self, context: SourceContext) -> DraftSource:
         raise NotImplementedError
@@ -102,3 +115,54 @@ class DraftProvider:
         """Bytes one request's source reserves for a target row of `capacity` tokens
         (counted against the engine's KV budget)."""
         return 0
+
+
+class _NoSource(DraftSource):
+    def draft(self, pending: int, max_n: int) -> Draft:
+        return Draft()
+
+
+class NoDrafter(DraftProvider):
+    """The provider of an engine without speculation: every row's draft is empty (its
+    grammar may still force tokens)."""
+
+    name = "no drafter"
+    max_draft = 0
+
+    def new_source(self, context: SourceContext) -> DraftSource:
+        return _NoSource()
+
+
+@dataclass
+class DraftStats:
+    """What one row's (or, summed, every row's) drafts came to."""
+
+    drafted: int = 0  # by the source and by the grammar (forced-token drafts)
+    accepted: int = 0
+    forced_drafted: int = 0  # of which the grammar forced
+    forced_accepted: int = 0
+    rounds: int = 0  # decode steps (target forwards) of this row
+    emitted: int = 0  # tokens those steps produced (kept drafts + the token after them)
+    estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+
+    def record(self, draft: Draft, n_emitted: int) -> None:
+        """One decode round: `draft` was verified and `n_emitted` tokens came out."""
+        self.rounds += 1
+        self.emitted += n_emitted
+        self.drafted += len(draft)
+        self.accepted += n_emitted - 1
+        if draft.forced:
+            self.forced_drafted += len(draft)
+            self.forced_accepted += n_emitted - 1
+
+    def usage(self) -> dict:
+        forced = {"forced_drafted": self.forced_drafted, "forced_accepted": self.forced_accepted} \
+            if self.forced_drafted else {}
+        return {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            **forced,
+            "rounds": self.rounds,
+            # tokens per target forward, the bonus token included (DeepSpec's tau)
+            "mean_accepted_length": round(self.emitted / self.rounds, 3) if self.rounds else 0.0,
+        }

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from verispec.errors import UserError
-from verispec.spec.source import DraftProvider
+from verispec.engine.draft import MAX_DRAFT_TOKENS, DraftProvider
 
 SPECULATE_CHOICES = ("ngram", "none")
 # embedded model -> its trained DSpark drafter, shipped in the package (README, "The default drafter")
@@ -41,49 +41,49 @@ def build_drafter(target, speculate: str | None, draft_model: str | None, dtype,
     if speculate in (None, "none"):
         return None
     if speculate == "ngram":
-        from verispec.spec.ngram import NgramProvider
+        from verispec.drafting.ngram import NgramProvider
 
         return NgramProvider()
     raise UserError(f"unknown --speculate {speculate!r}; choose one of {', '.join(SPECULATE_CHOICES)}")
 
 
-def load_drafter(target, spec: str, dtype, confidence_threshold: float | None = None,
+def load_drafter(target, name: str, dtype, confidence_threshold: float | None = None,
                  label: str | None = None) -> DraftProvider:
     """What `--draft-model` names, by what its files are: a DSpark drafter (DeepSpec format)
     or a smaller model with the target's tokenizer; anything else is refused with a reason."""
     from verispec.models.registry import display_name, resolve_model
-    from verispec.spec.dspark.checkpoint import draft_kind
-    from verispec.spec.dspark.config import DraftCheckpointError
+    from verispec.drafting.dspark.checkpoint import draft_kind
+    from verispec.drafting.dspark.config import DraftCheckpointError
 
-    from verispec.spec.dspark.checkpoint import newest_checkpoint
+    from verispec.drafting.dspark.checkpoint import newest_checkpoint
 
-    run = Path(spec).expanduser()  # a training run folder means its newest checkpoint
-    folder = resolve_model(str(newest_checkpoint(run)) if run.is_dir() else spec)
+    run = Path(name).expanduser()  # a training run folder means its newest checkpoint
+    folder = resolve_model(str(newest_checkpoint(run)) if run.is_dir() else name)
     try:
         kind = draft_kind(folder)
         if kind == "dspark":
-            from verispec.spec.dspark.checkpoint import load_dspark
-            from verispec.spec.dspark.source import DSparkProvider
+            from verispec.drafting.dspark.checkpoint import load_dspark
+            from verispec.drafting.dspark.source import DSparkProvider
 
             drafter = load_dspark(folder, target=target, dtype=dtype, device=target.model.device)
-            return DSparkProvider(drafter, f"DSpark {label or display_name(spec)}", confidence_threshold)
+            return DSparkProvider(drafter, f"DSpark {label or display_name(name)}", confidence_threshold)
     except DraftCheckpointError as e:
-        raise UserError(f"--draft-model {spec}: {e}") from None
+        raise UserError(f"--draft-model {name}: {e}") from None
     if confidence_threshold is not None:
         raise UserError("--confidence-threshold applies to DSpark drafters only")
-    return load_draft_model(target, str(folder), dtype, label=label or display_name(spec))
+    return load_draft_model(target, str(folder), dtype, label=label or display_name(name))
 
 
-def load_draft_model(target, spec: str, dtype, label: str | None = None) -> DraftProvider:
+def load_draft_model(target, name: str, dtype, label: str | None = None) -> DraftProvider:
     from verispec.models.loader import load_model
-    from verispec.spec.two_model import TwoModelProvider, check_same_tokenizer
+    from verispec.drafting.two_model import TwoModelProvider, check_same_tokenizer
 
-    draft = load_model(spec, dtype=dtype)
+    draft = load_model(name, dtype=dtype)
     try:
         check_same_tokenizer(target.tokenizer, draft.tokenizer, target.model.args.vocab_size, draft.model.args.vocab_size)
     except ValueError as e:
-        raise UserError(f"--draft-model {spec}: {e}") from None
-    return TwoModelProvider(draft.model, max_draft=63, label=f"draft model {label or spec}")
+        raise UserError(f"--draft-model {name}: {e}") from None
+    return TwoModelProvider(draft.model, max_draft=MAX_DRAFT_TOKENS, label=f"draft model {label or name}")
 
 
 def engine_options(args) -> dict:
@@ -93,7 +93,7 @@ def engine_options(args) -> dict:
     if threshold is not None and not 0 <= threshold < 1:
         raise UserError(f"--confidence-threshold must be in [0, 1), got {threshold}")
     if args.num_draft_tokens is not None:
-        if not 1 <= args.num_draft_tokens <= 63:
-            raise UserError(f"--num-draft-tokens must be in 1..63, got {args.num_draft_tokens}")
+        if not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise UserError(f"--num-draft-tokens must be in 1..{MAX_DRAFT_TOKENS}, got {args.num_draft_tokens}")
         options["num_draft_tokens"] = args.num_draft_tokens
     return options

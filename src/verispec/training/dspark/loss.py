@@ -1,4 +1,4 @@
-"""The DSpark training loss (paper Eq 9-12 as DeepSpec codes them, spec §3.3).
+"""The DSpark training loss (paper Eq 9-12 as DeepSpec codes them, dspark-spec.md §3.3).
 
 Per supervised block slot (the eval mask: a contiguous prefix of each kept block whose
 labels are in range and are answer tokens), with weight w_j = exp(-j / decay) (j from 0;
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from verispec.spec.dspark.model import TrainOutput
+from verispec.training.dspark.forward import TrainOutput
 
 CE_ALPHA, L1_ALPHA, CONF_ALPHA = 0.1, 0.9, 1.0
 LOSS_DECAY = 4.0

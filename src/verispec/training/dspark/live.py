@@ -38,7 +38,7 @@ def run_live(engine: Engine, prompt_ids: list[int], max_tokens: int, params: Sam
              stop_ids=()) -> LiveResult:
     import math
 
-    provider = engine.speculator.provider if engine.speculator is not None else None
+    provider = engine.drafting.provider if engine.drafting.active else None
     if provider is not None:
         provider.trace = []
     result = engine.generate(GenerationRequest(prompt_ids, max_tokens, params))

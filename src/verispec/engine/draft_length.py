@@ -1,4 +1,13 @@
-"""How many tokens to draft for a row this step: only as many as are expected to pay.
+"""How many tokens each decoding row drafts this step: the one owner of that number.
+
+`DraftLength` holds every rule: the engine's cap (`--num-draft-tokens`), the provider's
+own maximum (a DSpark drafter's block size), what is left of the row's `max_tokens`
+(a row always emits one token after its drafts), the seeded-row rule (a seeded row
+drafts its whole allowance: the cost policy's choice depends on timings, and so would
+the verify forwards' shapes and, in bf16, the sampled tokens), the cap on grammar-forced
+drafts, and, for everything else, the cost policy below (`--fixed-draft` turns it off).
+
+The cost policy: only as many as are expected to pay.
 
 A row whose drafts are accepted with probability `a` each (given the ones before were)
 emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per step with k drafts. The step costs more:
@@ -91,7 +100,7 @@ class StepCosts:
         return cls({1: 1.0, 2: 1.0})
 
 
-class DraftPolicy:
+class CostPolicy:
     def __init__(self, max_draft: int, costs: StepCosts, draft_cost_fixed: float = 0.0, draft_cost_per_token: float = 0.0):
         self.max_draft = max_draft
         self.costs = costs
@@ -153,3 +162,31 @@ def measure_step_costs(model, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), 
     for n in sizes:
         running = points[n] = max(points[n], running)
     return StepCosts(points)
+
+
+class DraftLength:
+    def __init__(self, cap: int, provider_max: int, costs: StepCosts | None = None, adaptive: bool = True,
+                 draft_costs: tuple[float, float] = (0.0, 0.0)):
+        self.cap = cap  # the engine's --num-draft-tokens: forced drafts too
+        self.max_draft = max(0, min(cap, provider_max))  # what the provider may be asked for
+        self.adaptive = adaptive and costs is not None
+        self.policy = CostPolicy(self.max_draft, costs or StepCosts.flat(), *draft_costs)
+
+    @staticmethod
+    def room(row) -> int:
+        """Drafts the row can still use: it emits one more token after them."""
+        return row.request.max_tokens - len(row.output) - 1
+
+    def forced(self, row) -> int:
+        """How many grammar-forced tokens the row may verify this step."""
+        return max(0, min(self.cap, self.room(row)))
+
+    def for_row(self, row, batch_tokens: int) -> int:
+        """How many tokens the row's source is asked for (`batch_tokens`: the step's
+        decode tokens, this row's pending token included)."""
+        limit = min(self.max_draft, self.room(row))
+        if limit <= 0:
+            return 0
+        if not self.adaptive or row.params.seed is not None:
+            return limit
+        return self.policy.choose(row.draft_stats.estimate, batch_tokens, limit)

@@ -1,7 +1,7 @@
 """`verispec dspark features`: the target's features for training, computed once, on disk.
 
 For every datagen record (prompt + answer), one teacher-forced target forward gives per
-position what the DSpark loss needs (spec §6.1's target cache, scaled down):
+position what the DSpark loss needs (dspark-spec.md §6.1's target cache, scaled down):
 
     taps         bf16 [T, m*H]   raw outputs of target_layer_ids, concatenated (-1 = embeddings)
     last_hidden  bf16 [T, H]     the final-normed hidden state (target logits = lm_head of it)

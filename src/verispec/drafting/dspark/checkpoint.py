@@ -1,8 +1,8 @@
 """DSpark checkpoints in DeepSpec's format, both ways, and telling draft checkpoints apart.
 
 DeepSpec saves a drafter with `save_pretrained` of its whole state dict: `config.json`
-(the target's config plus the DSpark fields, spec §2.1/2.6) and `model.safetensors`
-with the names of spec §2.6 in bfloat16, including frozen copies of the target's input
+(the target's config plus the DSpark fields, dspark-spec.md §2.1/2.6) and `model.safetensors`
+with the names of dspark-spec.md §2.6 in bfloat16, including frozen copies of the target's input
 embedding and output head. We read exactly that (local folders, or hub ids such as
 `deepseek-ai/dspark_qwen3_4b_block7` through the hub code, safetensors only) and write
 it back the same way, so DeepSpec's evaluator can load a Qwen3 drafter trained here. A
@@ -25,8 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from verispec.models.loader import read_config, read_tensors, safetensor_files
-from verispec.spec.dspark.config import ARCHITECTURES, DraftCheckpointError, DSparkConfig
-from verispec.spec.dspark.model import DSparkDrafter
+from verispec.drafting.dspark.config import ARCHITECTURES, DraftCheckpointError, DSparkConfig
+from verispec.drafting.dspark.model import DSparkDrafter
 
 FROZEN = ("embed_tokens.weight", "lm_head.weight")
 

@@ -18,8 +18,6 @@ import json
 import sys
 from pathlib import Path
 
-DATASETS = ("mt-bench", "gsm8k", "humaneval", "mbpp")
-
 
 def default_eval_dir() -> Path | None:
     here = Path(__file__).resolve()
@@ -49,9 +47,9 @@ def run_measure(args) -> int:
     from verispec.models.loader import load_model, resolve_dtype
     from verispec.models.registry import DEFAULT_MODEL
     from verispec.models.tokenizer import encode_chat
-    from verispec.spec.dspark.checkpoint import load_dspark, newest_checkpoint
-    from verispec.spec.dspark.live import make_engine, run_live
-    from verispec.spec.dspark.source import DSparkProvider
+    from verispec.drafting.dspark.checkpoint import load_dspark, newest_checkpoint
+    from verispec.training.dspark.live import make_engine, run_live
+    from verispec.drafting.dspark.source import DSparkProvider
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -62,10 +60,10 @@ def run_measure(args) -> int:
     drafter = load_dspark(newest_checkpoint(Path(args.drafter)), target=loaded, dtype=loaded.model.dtype)
     g = drafter.block_size
     plain = make_engine(loaded)
-    spec = make_engine(loaded, DSparkProvider(drafter), adaptive=not args.fixed_draft, num_draft_tokens=g)
+    dspark = make_engine(loaded, DSparkProvider(drafter), adaptive=not args.fixed_draft, num_draft_tokens=g)
     ngram = None
     if args.with_ngram:  # the weightless reference: prompt lookup under the same policy
-        from verispec.spec.ngram import NgramProvider
+        from verispec.drafting.ngram import NgramProvider
 
         ngram = make_engine(loaded, NgramProvider(), adaptive=not args.fixed_draft, num_draft_tokens=g)
     temperatures = [float(t) for t in args.temperatures.split(",")]
@@ -73,7 +71,7 @@ def run_measure(args) -> int:
     rows = []
     jobs = [(t, d, p) for t in temperatures for d in datasets for p in load_eval(eval_dir, d, args.per_dataset)]
     stats: dict = {}
-    arms = {"plain": plain, "spec": spec, **({"ngram": ngram} if ngram is not None else {})}
+    arms = {"plain": plain, "dspark": dspark, **({"ngram": ngram} if ngram is not None else {})}
     with tqdm(total=len(jobs), desc="measure", unit="prompt", file=sys.stderr, disable=args.quiet) as bar:
         for temperature, dataset, text in jobs:
             ids = encode_chat(loaded.tokenizer, [{"role": "user", "content": text}])
@@ -83,9 +81,9 @@ def run_measure(args) -> int:
                                                           **{arm: _Tally() for arm in arms}})
             s["prompts"] += 1
             for arm, engine in arms.items():
-                live = run_live(engine, ids, args.max_tokens, params, loaded.stop_ids if arm == "spec" else ())
+                live = run_live(engine, ids, args.max_tokens, params, loaded.stop_ids if arm == "dspark" else ())
                 s[arm].add(live)
-                if arm == "spec":
+                if arm == "dspark":
                     for r in live.rounds:
                         for j in range(min(r.proposal_len, g)):
                             if j > r.accepted:
@@ -94,13 +92,13 @@ def run_measure(args) -> int:
                             s["kept"][j] += j < r.accepted
             bar.update(1)
     for (temperature, dataset), s in stats.items():
-        plain_tps, spec_tps = s["plain"].tok_s, s["spec"].tok_s
+        plain_tps, dspark_tps = s["plain"].tok_s, s["dspark"].tok_s
         rows.append({
             "dataset": dataset, "temperature": temperature, "prompts": s["prompts"],
-            "tau": s["spec"].tau,
+            "tau": s["dspark"].tau,
             "acceptance_by_position": [round(k / r, 3) if r else None for k, r in zip(s["kept"], s["reached"])],
-            "plain_tok_s": round(plain_tps, 1), "dspark_tok_s": round(spec_tps, 1),
-            "speedup": round(spec_tps / plain_tps, 3) if plain_tps else None,
+            "plain_tok_s": round(plain_tps, 1), "dspark_tok_s": round(dspark_tps, 1),
+            "speedup": round(dspark_tps / plain_tps, 3) if plain_tps else None,
         })
         if ngram is not None:
             ngram_tps = s["ngram"].tok_s
@@ -171,13 +169,9 @@ def _markdown(rows, summary, args, g) -> str:
 
 
 def _plot(rows, temperatures, out: Path) -> None:
-    try:
-        import matplotlib
+    from verispec.training.plots import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in rows:
         acc = [a if a is not None else float("nan") for a in r["acceptance_by_position"]]

@@ -1,7 +1,7 @@
 """DSpark drafter configuration, read from and written to DeepSpec's `config.json`.
 
 DeepSpec builds a drafter's config by copying the target's config and overriding a few
-fields (spec §2.1): `architectures = ["Qwen3DSparkModel"]`, `num_hidden_layers` (draft
+fields (dspark-spec.md §2.1): `architectures = ["Qwen3DSparkModel"]`, `num_hidden_layers` (draft
 layers), `block_size` (gamma), `mask_token_id`, `target_layer_ids`, `num_target_layers`,
 `num_anchors`, `markov_rank`, `markov_head_type`, `enable_confidence_head`,
 `confidence_head_with_markov`, `layer_types` all full attention, `tie_word_embeddings`
@@ -25,13 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from verispec.models.config import ModelArgs, from_hf_config
+from verispec.models.families import FAMILIES, family, is_family
 
-ARCHITECTURES = {
-    "qwen3": "Qwen3DSparkModel",
-    "llama": "LlamaDSparkModel",
-    "qwen2": "Qwen2DSparkModel",
-    "gemma3_text": "Gemma3DSparkModel",
-}
+ARCHITECTURES = {name: f.dspark_class for name, f in FAMILIES.items()}  # target family -> DeepSpec's class
 SEQUENTIAL_HEADS = ("vanilla", "gated", "rnn")
 
 
@@ -133,9 +129,9 @@ class DSparkConfig:
         """DeepSpec's build_draft_config: the target's config with the DSpark fields set."""
         raw = copy.deepcopy(target_config)
         model_type = raw.get("model_type")
-        arch = ARCHITECTURES.get("gemma3_text" if model_type in ("gemma3", "gemma3_text") else model_type)
-        if arch is None:
+        if not is_family(model_type):
             raise DraftCheckpointError(f"no DSpark drafter for target model_type {model_type!r}")
+        arch = family(model_type).dspark_class
         raw.update(
             architectures=[arch],
             num_target_layers=int(raw["num_hidden_layers"]),

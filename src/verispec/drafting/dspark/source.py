@@ -1,4 +1,4 @@
-"""DSpark as a draft source in the engine (spec/source.py's seam), as DeepSpec decodes.
+"""DSpark as a draft source in the engine (engine/draft.py's seam), as DeepSpec decodes.
 
 Per request, the source keeps a `ContextCache` of the drafter's projected context K/V
 and the target features not yet in it. Features arrive with every forward that puts
@@ -23,8 +23,8 @@ import time
 import torch
 
 from verispec.engine.sampling import make_generator, process_logits, sample, sampling_probs
-from verispec.spec.dspark.model import DSparkDrafter, confident_prefix
-from verispec.spec.source import Draft, DraftProvider, DraftSource, SourceContext
+from verispec.drafting.dspark.model import DSparkDrafter, confident_prefix
+from verispec.engine.draft import Draft, DraftProvider, DraftSource, SourceContext
 
 
 class DSparkSource(DraftSource):
@@ -60,7 +60,6 @@ class DSparkSource(DraftSource):
 
 class DSparkProvider(DraftProvider):
     name = "dspark"
-    provides_q = True
 
     def __init__(self, drafter: DSparkDrafter, label: str = "DSpark drafter", confidence_threshold=None):
         self.drafter = drafter
@@ -68,6 +67,7 @@ class DSparkProvider(DraftProvider):
         config = drafter.config
         self.taps = tuple(config.target_layer_ids)
         self.block_size = config.block_size
+        self.max_draft = config.block_size  # a round proposes at most one block
         self.threshold = config.confidence_threshold if confidence_threshold is None else confidence_threshold
         self.trace: list | None = None
         vocab = drafter.draft_vocab_ids
@@ -93,7 +93,7 @@ class DSparkProvider(DraftProvider):
     def draft_costs(self, target_costs) -> tuple[float, float]:
         """(per round, per token) in single-token target steps: one backbone pass and the
         sequential head for a whole block, whatever its length."""
-        from verispec.spec.source import SourceContext as Ctx
+        from verispec.engine.draft import SourceContext as Ctx
         from verispec.engine.sampling import SamplingParams
 
         H = self.drafter.config.args.hidden_size

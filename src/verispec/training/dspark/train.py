@@ -1,4 +1,4 @@
-"""`verispec dspark train`: DeepSpec's recipe (spec §6.2), scaled down to one CPU box.
+"""`verispec dspark train`: DeepSpec's recipe (dspark-spec.md §6.2), scaled down to one CPU box.
 
 * The drafter is built from the target's config (DSparkConfig.from_target) and initialized
   as DeepSpec's trainer does: normal(0, initializer_range) weights, zero biases, unit
@@ -33,19 +33,22 @@ weights as 1 process with the same global batch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from verispec.errors import UserError
-from verispec.spec.dspark.loss import dspark_loss, weight_sums
+from verispec.training.dspark.forward import block_labels, sample_anchors, train_forward
+from verispec.training.dspark.loss import dspark_loss, weight_sums
 
 STATE = "trainer/state.safetensors"  # a subfolder: the model folder itself holds only the model
 
@@ -85,8 +88,8 @@ def copy_frozen(drafter, target_folder: Path) -> None:
     from types import SimpleNamespace
 
     from verispec.models.config import from_hf_config
-    from verispec.models.loader import read_config
-    from verispec.spec.dspark.checkpoint import frozen_from_target
+    from verispec.models.config import read_config
+    from verispec.drafting.dspark.checkpoint import frozen_from_target
 
     args = from_hf_config(read_config(target_folder))  # the target's own: does it tie its head?
     target = SimpleNamespace(folder=target_folder, model=SimpleNamespace(args=args))
@@ -142,11 +145,40 @@ def lr_at(step: int, total: int, peak: float, warmup_ratio: float = 0.04) -> flo
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
 
 
-def run_train(args) -> int:
-    from verispec.models.loader import read_config
-    from verispec.spec.dspark.config import DSparkConfig
-    from verispec.spec.dspark.features import FeatureCache
-    from verispec.spec.dspark.model import DSparkDrafter, block_labels, sample_anchors
+@dataclass
+class TrainRun:
+    """Everything one training run holds between steps."""
+
+    args: object
+    world: Distributed
+    cache: object  # FeatureCache
+    out: Path
+    config: object  # DSparkConfig
+    drafter: torch.nn.Module
+    view: torch.nn.Module  # what a micro-step calls: the TrainingView, under DDP when distributed
+    target_head: torch.nn.Linear
+    optimizer: torch.optim.Optimizer
+    params: list
+    holdout: list[int]
+    train_ids: list[int]
+    steps_per_epoch: int
+    total: int
+    step: int
+    deadline: float | None
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.out / "metrics.jsonl"
+
+
+def setup(args) -> TrainRun:
+    """The drafter (fresh, or resumed from the run's newest checkpoint), its optimizer and
+    the data split."""
+    from verispec.drafting.dspark.config import DSparkConfig
+    from verispec.drafting.dspark.model import DSparkDrafter
+    from verispec.models.config import read_config
+    from verispec.training.dspark.features import FeatureCache
+    from verispec.training.dspark.forward import TrainingView
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -189,11 +221,11 @@ def run_train(args) -> int:
     target_head.weight.data.copy_(drafter.lm_head.weight)  # the target's own (frozen) head rows
     target_head.requires_grad_(False)
 
-    model = drafter
+    view = TrainingView(drafter)
     if world.dist is not None:
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(drafter)
+        view = DistributedDataParallel(view)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
     # held-out sequences: the last of the FIRST features folder (the regenerated answers, what
@@ -206,86 +238,105 @@ def run_train(args) -> int:
     if steps_per_epoch == 0:
         raise UserError(f"{len(cache)} sequences do not make one global batch of {args.batch}")
     total = args.steps or steps_per_epoch * args.epochs
-    step = 0
-    if latest is not None:
-        step = _load_optimizer(optimizer, params, drafter, latest)
-    vocab_ids = drafter.draft_vocab_ids
-    metrics_path = out / "metrics.jsonl"
+    step = _load_optimizer(optimizer, params, drafter, latest) if latest is not None else 0
     if world.main:
         print(f"train: {len(cache)} sequences, {total} steps of {args.batch} (world {world.world}), "
               f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, starting at step {step}",
               file=sys.stderr)
-    autocast = _null() if args.fp32 else torch.autocast(torch.device(drafter.device).type, dtype=torch.bfloat16)
     deadline = time.monotonic() + args.max_minutes * 60 if args.max_minutes else None
-    while step < total:
-        epoch, within = divmod(step, steps_per_epoch)
-        order = [train_ids[i] for i in
-                 torch.randperm(len(train_ids), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()]
-        batch = order[within * args.batch : (within + 1) * args.batch]
-        mine = batch[world.rank :: world.world]
-        t0 = time.perf_counter()
-        prepared = []
-        local = {"ce": 0.0, "other": 0.0}
-        for index in mine:
-            sample = cache[index]
-            g = torch.Generator().manual_seed(hash((args.seed, epoch, index)) % (2**63))
-            anchors, keep = sample_anchors(sample.loss_mask, args.anchors, g)
-            ids, mask = sample.input_ids[None], sample.loss_mask[None]
-            target_ids, eval_mask, _ = block_labels(ids, mask, anchors[None], keep[None], config.block_size)
-            sums = weight_sums(eval_mask, target_ids, draft_vocab_ids=vocab_ids)
-            local = {k: local[k] + sums[k] for k in local}
-            prepared.append((sample, anchors, keep))
-        dens = dict(zip(local, world.all_sum([local["ce"], local["other"]])))
-        lr = lr_at(step, total, args.lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        totals = Counter()
-        tokens = 0
-        for i, (sample, anchors, keep) in enumerate(prepared):
-            sync = world.dist is None or i == len(prepared) - 1
-            context = model.no_sync() if not sync else _null()
-            with context:
-                with autocast:
-                    out_ = model(sample.input_ids[None], sample.taps[None], sample.loss_mask[None], anchors[None],
-                                 keep[None], sample.last_hidden[None], target_head, sample.lse[None])
-                terms = dspark_loss(out_, draft_vocab_ids=vocab_ids, denominators=dens, world_size=world.world)
-                terms.loss.backward()
-            share = {"ce": terms.ce, "l1": terms.l1, "confidence": terms.confidence}
-            weight = float(terms.weight_mask.sum())
-            for k, v in share.items():
-                totals[k] += v * weight
-            for j, a in enumerate(terms.accept_rate_by_position):
-                totals[f"accept@{j}"] += a * weight
-            totals["weight"] += weight
-            tokens += len(sample.input_ids)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, args.clip))
-        optimizer.step()
-        step += 1
-        record = _record(step, epoch, lr, grad_norm, totals, world, tokens, time.perf_counter() - t0)
-        if world.main:
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-            if step % args.log_every == 0 or step == total:
-                print(f"step {step}/{total} loss {record['loss']:.4f} (ce {record['ce']:.3f} l1 {record['l1']:.3f} "
-                      f"bce {record['confidence']:.3f}) accept {record['accept_by_position'][:4]} lr {lr:.2e} "
-                      f"{record['seconds']:.1f}s", file=sys.stderr, flush=True)
+    return TrainRun(args, world, cache, out, config, drafter, view, target_head, optimizer, params, holdout,
+                    train_ids, steps_per_epoch, total, step, deadline)
+
+
+def train_step(run: TrainRun) -> dict:
+    """One global batch: this rank's sequences one micro-step each, gradients synced on
+    the last, one optimizer step. Returns the step's metrics record."""
+    args, world, vocab_ids = run.args, run.world, run.drafter.draft_vocab_ids
+    epoch, within = divmod(run.step, run.steps_per_epoch)
+    order = [run.train_ids[i] for i in
+             torch.randperm(len(run.train_ids), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()]
+    batch = order[within * args.batch : (within + 1) * args.batch]
+    mine = batch[world.rank :: world.world]
+    t0 = time.perf_counter()
+    prepared = []
+    local = {"ce": 0.0, "other": 0.0}
+    for index in mine:
+        sample = run.cache[index]
+        g = torch.Generator().manual_seed(hash((args.seed, epoch, index)) % (2**63))
+        anchors, keep = sample_anchors(sample.loss_mask, args.anchors, g)
+        ids, mask = sample.input_ids[None], sample.loss_mask[None]
+        target_ids, eval_mask, _ = block_labels(ids, mask, anchors[None], keep[None], run.config.block_size)
+        sums = weight_sums(eval_mask, target_ids, draft_vocab_ids=vocab_ids)
+        local = {k: local[k] + sums[k] for k in local}
+        prepared.append((sample, anchors, keep))
+    dens = dict(zip(local, world.all_sum([local["ce"], local["other"]])))
+    lr = lr_at(run.step, run.total, args.lr)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    run.optimizer.zero_grad(set_to_none=True)
+    autocast = contextlib.nullcontext() if args.fp32 else torch.autocast(run.drafter.device.type, dtype=torch.bfloat16)
+    totals = Counter()
+    tokens = 0
+    for i, (sample, anchors, keep) in enumerate(prepared):
+        sync = world.dist is None or i == len(prepared) - 1
+        with contextlib.nullcontext() if sync else run.view.no_sync():
+            with autocast:
+                out = run.view(sample.input_ids[None], sample.taps[None], sample.loss_mask[None], anchors[None],
+                               keep[None], sample.last_hidden[None], run.target_head, sample.lse[None])
+            terms = dspark_loss(out, draft_vocab_ids=vocab_ids, denominators=dens, world_size=world.world)
+            terms.loss.backward()
+        share = {"ce": terms.ce, "l1": terms.l1, "confidence": terms.confidence}
+        weight = float(terms.weight_mask.sum())
+        for k, v in share.items():
+            totals[k] += v * weight
+        for j, a in enumerate(terms.accept_rate_by_position):
+            totals[f"accept@{j}"] += a * weight
+        totals["weight"] += weight
+        tokens += len(sample.input_ids)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(run.params, args.clip))
+    run.optimizer.step()
+    run.step += 1
+    record = _record(run.step, epoch, lr, grad_norm, totals, world, tokens, time.perf_counter() - t0)
+    if world.main:
+        with run.metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+    return record
+
+
+def checkpoint(run: TrainRun) -> None:
+    """Save the step (DeepSpec format + trainer state), validate on the held-out
+    sequences, redraw the curves; every rank waits for it."""
+    if run.world.main:
+        _save(run.drafter, run.optimizer, run.params, run.out, run.step)
+        if run.holdout:
+            val = validate(run.drafter, run.cache, run.holdout, run.target_head, run.args.anchors,
+                           run.drafter.draft_vocab_ids, run.args.seed)
+            with (run.out / "validation.jsonl").open("a") as f:
+                f.write(json.dumps({"step": run.step, **val}) + "\n")
+            print(f"validation at step {run.step}: teacher-forced acceptance {val['accept_by_position']} "
+                  f"tau {val['tau_probabilistic']:.3f}", file=sys.stderr, flush=True)
+        _plot(run.metrics_path, run.out / "curves.png")
+    run.world.barrier()
+
+
+def run_train(args) -> int:
+    run = setup(args)
+    args, world = run.args, run.world
+    while run.step < run.total:
+        record = train_step(run)
+        if world.main and (run.step % args.log_every == 0 or run.step == run.total):
+            print(f"step {run.step}/{run.total} loss {record['loss']:.4f} (ce {record['ce']:.3f} l1 {record['l1']:.3f} "
+                  f"bce {record['confidence']:.3f}) accept {record['accept_by_position'][:4]} lr {record['lr']:.2e} "
+                  f"{record['seconds']:.1f}s", file=sys.stderr, flush=True)
         # stop early (resumable) at --stop-at or when the time budget is spent; ranks agree
-        stop = step == args.stop_at or (deadline is not None and world.all_sum([float(time.monotonic() > deadline)])[0] > 0)
-        if step % args.save_every == 0 or step == total or stop:
-            if world.main:
-                _save(drafter, optimizer, params, out, step)
-                if holdout:
-                    val = validate(drafter, cache, holdout, target_head, args.anchors, vocab_ids, args.seed)
-                    with (out / "validation.jsonl").open("a") as f:
-                        f.write(json.dumps({"step": step, **val}) + "\n")
-                    print(f"validation at step {step}: teacher-forced acceptance {val['accept_by_position']} "
-                          f"tau {val['tau_probabilistic']:.3f}", file=sys.stderr, flush=True)
-                _plot(metrics_path, out / "curves.png")
-            world.barrier()
+        stop = run.step == args.stop_at or (
+            run.deadline is not None and world.all_sum([float(time.monotonic() > run.deadline)])[0] > 0)
+        if run.step % args.save_every == 0 or run.step == run.total or stop:
+            checkpoint(run)
         if stop:
             if world.main:
-                print(f"train: stopped at step {step} of {total}; rerun the same command to continue", file=sys.stderr)
+                print(f"train: stopped at step {run.step} of {run.total}; rerun the same command to continue",
+                      file=sys.stderr)
             break
     world.close()
     return 0
@@ -295,15 +346,13 @@ def run_train(args) -> int:
 def validate(drafter, cache, indices, target_head, anchors: int, vocab_ids, seed: int) -> dict:
     """Teacher-forced acceptance on held-out sequences (fixed anchors): mean c* per slot and
     tau_probabilistic, the loss module's analytic acceptance at temperature 1."""
-    from verispec.spec.dspark.model import sample_anchors
-
     was_training = drafter.training
     drafter.eval()
     accept, weight, taus = None, 0.0, []
     for index in indices:
         sample = cache[index]
         a, keep = sample_anchors(sample.loss_mask, anchors, torch.Generator().manual_seed(seed + index))
-        out = drafter.forward_train(sample.input_ids[None], sample.taps[None], sample.loss_mask[None], a[None],
+        out = train_forward(drafter, sample.input_ids[None], sample.taps[None], sample.loss_mask[None], a[None],
                                     keep[None], sample.last_hidden[None], target_head, sample.lse[None])
         terms = dspark_loss(out, draft_vocab_ids=vocab_ids)
         n = float(out.eval_mask.sum())
@@ -328,24 +377,16 @@ def _record(step, epoch, lr, grad_norm, totals, world, tokens, seconds) -> dict:
             "seconds": seconds}
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _latest(out: Path) -> Path | None:
     """The newest checkpoint with a trainer state to resume from."""
-    from verispec.spec.dspark.checkpoint import latest_in_run
+    from verispec.drafting.dspark.checkpoint import latest_in_run
 
     folder = latest_in_run(out)
     return folder if folder is not None and (folder / STATE).is_file() else None
 
 
 def _save(drafter, optimizer, params, out: Path, step: int) -> None:
-    from verispec.spec.dspark.checkpoint import save_dspark
+    from verispec.drafting.dspark.checkpoint import save_dspark
 
     folder = out / f"step_{step}"
     save_dspark(drafter, folder, include_frozen=False)
@@ -394,13 +435,9 @@ def _load_optimizer(optimizer, params, drafter, folder: Path) -> int:
 
 
 def _plot(metrics_path: Path, png: Path) -> None:
-    try:
-        import matplotlib
+    from verispec.training.plots import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    plt = pyplot()
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     if not rows:
         return

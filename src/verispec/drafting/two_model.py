@@ -21,7 +21,8 @@ import torch
 
 from verispec.engine.sampling import make_generator, process_logits, sample, sampling_probs
 from verispec.models.decoder import BatchKV, Decoder
-from verispec.spec.source import Draft, DraftProvider, DraftSource, SourceContext
+from verispec.models.kv_cache import DEFAULT_MAX_ROLLBACK
+from verispec.engine.draft import Draft, DraftProvider, DraftSource, SourceContext
 
 CATCH_UP_CHUNK = 512
 
@@ -91,19 +92,18 @@ class TwoModelSource(DraftSource):
 
 class TwoModelProvider(DraftProvider):
     name = "draft-model"
-    provides_q = True
 
     def __init__(self, model: Decoder, max_draft: int, label: str = "draft model"):
         self.model = model
         self.max_draft = max_draft
-        self.cache = model.new_cache(max_rollback=max(64, max_draft + 1))
+        self.cache = model.new_cache(max_rollback=max(DEFAULT_MAX_ROLLBACK, max_draft + 1))
         self.label = label
 
     def new_source(self, context: SourceContext) -> TwoModelSource:
         return TwoModelSource(self, context)
 
     def draft_costs(self, target_costs) -> tuple[float, float]:
-        from verispec.spec.policy import measure_step_costs
+        from verispec.engine.draft_length import measure_step_costs
 
         return 0.0, measure_step_costs(self.model, sizes=(1, 2)).base_seconds / target_costs.base_seconds
 

@@ -1,6 +1,6 @@
 """What a request constrains its output to, in a form that is a cache key.
 
-A `GrammarSpec` is one of: a JSON schema (compact JSON text; keys keep their order,
+A `Constraint` is one of: a JSON schema (compact JSON text; keys keep their order,
 which is the order properties are generated in), any JSON object, a regex, a choice among
 strings, or a grammar in llguidance's Lark syntax. The server builds it from
 `response_format`, `guided_*` or `tools` (server/structured.py); a backend compiles it
@@ -28,7 +28,7 @@ class GrammarError(ValueError):
 
 
 @dataclass(frozen=True)
-class GrammarSpec:
+class Constraint:
     kind: Kind
     text: str  # the schema as compact JSON, the regex, the grammar, or the choices as a JSON list
     # json_schema only: refuse keywords the backend cannot enforce (else ignore them)
@@ -39,23 +39,23 @@ class GrammarSpec:
             raise ValueError(f"unknown grammar kind {self.kind!r}; one of {', '.join(KINDS)}")
 
     @classmethod
-    def json_schema(cls, schema: dict | bool, strict: bool = True) -> GrammarSpec:
+    def json_schema(cls, schema: dict | bool, strict: bool = True) -> Constraint:
         return cls("json_schema", json.dumps(schema, separators=(",", ":")), strict)
 
     @classmethod
-    def json_object(cls) -> GrammarSpec:
+    def json_object(cls) -> Constraint:
         return cls("json_object", "")
 
     @classmethod
-    def regex(cls, pattern: str) -> GrammarSpec:
+    def regex(cls, pattern: str) -> Constraint:
         return cls("regex", pattern)
 
     @classmethod
-    def choice(cls, choices: list[str]) -> GrammarSpec:
+    def choice(cls, choices: list[str]) -> Constraint:
         return cls("choice", json.dumps(list(choices)))
 
     @classmethod
-    def grammar(cls, lark: str) -> GrammarSpec:
+    def grammar(cls, lark: str) -> Constraint:
         return cls("grammar", lark)
 
     @property

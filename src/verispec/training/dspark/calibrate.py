@@ -72,10 +72,10 @@ def run_calibrate(args) -> int:
     from verispec.models.loader import load_model, resolve_dtype
     from verispec.models.registry import DEFAULT_MODEL
     from verispec.models.tokenizer import encode_chat
-    from verispec.spec.dspark.checkpoint import load_dspark, newest_checkpoint
-    from verispec.spec.dspark.datagen import read_prompts
-    from verispec.spec.dspark.live import make_engine, run_live
-    from verispec.spec.dspark.source import DSparkProvider
+    from verispec.drafting.dspark.checkpoint import load_dspark, newest_checkpoint
+    from verispec.training.dspark.datagen import read_prompts
+    from verispec.training.dspark.live import make_engine, run_live
+    from verispec.drafting.dspark.source import DSparkProvider
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -122,13 +122,9 @@ def run_calibrate(args) -> int:
 
 
 def _plot(report: list[dict], png: Path) -> None:
-    try:
-        import matplotlib
+    from verispec.training.plots import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 6))
     ax.plot([0, 1], [0, 1], "k--", linewidth=1, label="perfect calibration")
     for r in report:

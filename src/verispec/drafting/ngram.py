@@ -12,7 +12,7 @@ looked up, so a lookup never finds itself.
 
 from __future__ import annotations
 
-from verispec.spec.source import Draft, DraftProvider, DraftSource, SourceContext
+from verispec.engine.draft import Draft, DraftProvider, DraftSource, SourceContext
 
 DEFAULT_MIN_NGRAM = 2
 DEFAULT_MAX_NGRAM = 4

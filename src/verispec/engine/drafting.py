@@ -1,0 +1,183 @@
+"""The engine's side of drafting: each row's source, its draft every step, what came of it.
+
+The engine owns one `Drafting`, whatever its provider (`NoDrafter` when there is no
+speculation). Per step it gives each decoding row its draft: the tokens its grammar
+forces (forced-token drafts: verified like any draft, so the output is the same, in
+fewer steps), else what its source proposes, as many as engine/draft_length.py says,
+batched through the provider; after verification it tells each source what was kept and
+records the round in the row's DraftStats and the totals (forced drafts counted there,
+and only there). Drafting is an optimization and never a reason for a request to fail: a
+source that raises is switched off for its row, which carries on decoding plainly.
+
+`VERISPEC_SPEC=0` in the environment turns speculation off for the whole engine (A/B
+runs without restarting anything else).
+
+Checked by tests/test_spec.py, tests/test_dspark.py and tests/test_grammar_engine.py
+(every source and forced drafts greedy-identical to plain decoding, alone and batched;
+the usage counts; a failing source leaves its row decoding).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from verispec.engine.draft import Draft, DraftProvider, DraftStats, Hidden, NoDrafter, SourceContext
+from verispec.engine.draft_length import AcceptanceEstimate, DraftLength
+
+log = logging.getLogger("verispec.drafting")
+
+POOL_MEMORY = 256  # drafted-token evidence the pooled acceptance estimate keeps
+
+
+def speculation_enabled() -> bool:
+    return os.environ.get("VERISPEC_SPEC", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+class Drafting:
+    def __init__(self, provider: DraftProvider, length: DraftLength, forced_drafts: bool = True):
+        self.provider = provider
+        self.active = not isinstance(provider, NoDrafter)  # a real source drafts
+        self.length = length
+        self.forced_drafts = forced_drafts
+        # per draft position j, over all rows: rounds that proposed a token there, that
+        # tested it (every draft before it was kept), and that kept it
+        width = max(1, length.max_draft)
+        self.drafted_at = [0] * width
+        self.reached_at = [0] * width
+        self.accepted_at = [0] * width
+        self.totals = DraftStats()  # over all rows (Prometheus counters, /stats)
+        self.pool = AcceptanceEstimate()  # recent acceptance over all rows: new rows start from it
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return tuple(self.provider.taps)
+
+    @property
+    def max_draft(self) -> int:
+        return self.length.max_draft
+
+    # -- a row's life --------------------------------------------------------------------
+
+    def attach(self, row) -> None:
+        """Give an admitted row its source and stats."""
+        row.draft_stats = DraftStats(estimate=self.pool.prior())
+        if not self.active:
+            return
+        try:
+            row.source = self.provider.new_source(
+                SourceContext(row.request.prompt_ids, row.output, row.params, row.request.max_tokens))
+            row.source_needs_hidden = bool(self.provider.taps)
+        except Exception as e:  # noqa: BLE001 - the row decodes without speculation
+            log.warning("draft source for %s failed to start (%s); decoding without speculation", row.id, e)
+            row.source = None
+
+    def prefill(self, row, tokens: list[int], hidden: Hidden | None) -> None:
+        self._call(row, "prefill", tokens, hidden)
+
+    def drafts(self, rows, batch_tokens: int) -> list[Draft]:
+        """Each decoding row's draft this step (an empty Draft where it drafts nothing)."""
+        drafts = [self._forced(row) for row in rows]
+        asks = [0 if d is not None or row.source is None else self.length.for_row(row, batch_tokens)
+                for row, d in zip(rows, drafts)]
+        wanted = [(row.source, row.pending, k) for row, k in zip(rows, asks) if k > 0]
+        proposed = iter(self._propose(wanted) if wanted else ())
+        out = []
+        for row, forced, k in zip(rows, drafts, asks):
+            if forced is not None:
+                out.append(forced)
+            elif k > 0:
+                out.append(self._checked(row, next(proposed), k))
+            else:
+                out.append(Draft())
+        return out
+
+    def commit(self, row, draft: Draft, emitted: list[int], hidden: Hidden | None) -> None:
+        """After verification: `emitted` = the kept drafts + the token after them."""
+        kept = len(emitted) - 1
+        for stats in (row.draft_stats, self.totals):
+            stats.record(draft, len(emitted))
+        # forced drafts say nothing about the source: its acceptance estimate (which sizes
+        # its drafts) and the per-position curve count only what it proposed
+        if draft.tokens and not draft.forced:
+            row.draft_stats.estimate.update(len(draft), kept)
+            self.pool.update(len(draft), kept, memory=POOL_MEMORY)
+            for j in range(len(draft)):
+                self.drafted_at[j] += 1
+                self.reached_at[j] += j <= kept
+                self.accepted_at[j] += j < kept
+        fed_and_kept = [row.pending, *emitted[:-1]]
+        self._call(row, "commit", fed_and_kept, emitted[-1],
+                   None if hidden is None else tuple(h[: len(fed_and_kept)] for h in hidden))
+
+    def detach(self, row) -> None:
+        if row.source is not None:
+            try:
+                row.source.close()
+            except Exception as e:  # noqa: BLE001
+                log.warning("closing the draft source of %s failed: %s", row.id, e)
+            row.source = None
+            row.source_needs_hidden = False
+
+    def usage(self, row) -> dict | None:
+        """The usage block's `speculation` for a finished row: with a drafter, or when its
+        grammar drafted forced tokens."""
+        stats = row.draft_stats
+        if stats is None:
+            return None
+        if self.active or (row.grammar is not None and self.forced_drafts and stats.rounds):
+            return stats.usage()
+        return None
+
+    def stats(self) -> dict | None:
+        if not self.active:
+            return None
+        return {
+            "provider": self.provider.describe(),
+            "max_draft_tokens": self.length.max_draft,
+            "adaptive": self.length.adaptive,
+            **self.totals.usage(),
+            # P(draft j kept | drafts before it kept): the paper's conditional acceptance
+            "per_position_acceptance": [round(a / r, 4) if r else None for a, r in zip(self.accepted_at, self.reached_at)],
+            "drafted_at": list(self.drafted_at),
+        }
+
+    # -- inside ----------------------------------------------------------------------------
+
+    def _forced(self, row) -> Draft | None:
+        if row.grammar is None or not self.forced_drafts:
+            return None
+        limit = self.length.forced(row)
+        tokens = row.grammar.forced(limit) if limit > 0 else []
+        return Draft(tokens, forced=True) if tokens else None
+
+    def _propose(self, wanted) -> list[Draft | None]:
+        try:
+            return self.provider.draft_batch(wanted)
+        except Exception as e:  # noqa: BLE001
+            log.warning("batched drafting failed (%s); drafting row by row", e)
+        out = []
+        for source, pending, k in wanted:
+            try:
+                out.append(self.provider.draft_batch([(source, pending, k)])[0])
+            except Exception as e:  # noqa: BLE001
+                log.warning("drafting failed (%s); that row decodes without speculation", e)
+                out.append(None)
+        return out
+
+    def _checked(self, row, draft: Draft | None, k: int) -> Draft:
+        if draft is None:  # its source failed
+            self.detach(row)
+            return Draft()
+        if len(draft) > k:  # a source may return fewer tokens, never more
+            draft = Draft(draft.tokens[:k], None if draft.q is None else draft.q[:k])
+        return draft
+
+    def _call(self, row, method: str, *args) -> None:
+        if row.source is None:
+            return
+        try:
+            getattr(row.source, method)(*args)
+        except Exception as e:  # noqa: BLE001
+            log.warning("draft source %s of %s failed (%s); decoding without speculation", method, row.id, e)
+            self.detach(row)
