@@ -37,7 +37,10 @@ from torch import nn
 
 from verispec.models.kv_cache import DEFAULT_MAX_ROLLBACK, KeyPlan, KVCache, SequenceKV
 from verispec.models.config import ModelArgs, RopeArgs
-from verispec.models.linear import Linear, pack_weight, packed_linear, packing_enabled
+from verispec.models.linear import Linear, packing_enabled
+
+
+LINEAR_ROLES = ("qkv", "o_proj", "gate_up", "down", "lm_head")
 
 
 @dataclass
@@ -125,7 +128,8 @@ class Decoder(nn.Module):
         self.final_norm = nn.Parameter(torch.ones(args.hidden_size))
         self.lm_head = None if args.tie_word_embeddings else nn.Parameter(torch.zeros(args.vocab_size, args.hidden_size))
         self._ropes: dict[int | None, RotaryTable] = {}
-        self._lm_packed: torch.Tensor | None = None
+        self.lm: Linear | None = None  # the lm_head's kernel, once prepare() chose one
+        self.attention_kernel = "sdpa"  # or "invariant": verispec's per-query kernel (kernels/qlinear.cpp)
         self._act = F.silu if args.activation == "silu" else (lambda x: F.gelu(x, approximate="tanh"))
         self._scale = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
 
@@ -175,18 +179,44 @@ class Decoder(nn.Module):
     def pack_for_cpu(self) -> bool:
         """Pre-pack every matrix for oneDNN (see linear.py); no-op off CPU or when
         VERISPEC_NO_PACK=1. The lm_head gets a packed copy (the embedding table it may
-        be tied to stays dense for lookups)."""
+        be tied to stays dense for lookups). The plan PyTorch-only kernels give."""
         if not packing_enabled(self.device):
             return False
-        packed_all = all([m.pack() for m in self.modules() if isinstance(m, Linear)])
-        self._lm_packed = pack_weight(self.lm_weight())
-        if self._lm_packed is not None and self.lm_head is not None:
-            self.lm_head = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)
-        return packed_all and self._lm_packed is not None
+        return self.prepare({role: "onednn" for role in LINEAR_ROLES}, "sdpa")
+
+    def linears(self) -> dict[str, list[Linear]]:
+        """Every matrix by role (its shape class): what a kernel plan assigns kernels to."""
+        roles: dict[str, list[Linear]] = {r: [] for r in LINEAR_ROLES}
+        for layer in self.layers:
+            roles["qkv"].append(layer.qkv)
+            roles["o_proj"].append(layer.o_proj)
+            roles["gate_up"].append(layer.gate_up)
+            roles["down"].append(layer.down)
+        if self.lm is not None:
+            roles["lm_head"].append(self.lm)
+        return roles
+
+    def prepare(self, linear: dict[str, str], attention: str = "sdpa") -> bool:
+        """Give every matrix its role's kernel (models/kernel_plan.py chooses them) and the
+        attention its kernel; a kernel that cannot run leaves that matrix on F.linear.
+        True when every matrix got the kernel asked for."""
+        if self.lm is None:
+            weight = self.lm_weight()
+            self.lm = Linear(weight.shape[1], weight.shape[0])
+            self.lm.weight = nn.Parameter(weight, requires_grad=False)
+        ok = True
+        for role, layers in self.linears().items():
+            for layer in layers:
+                if layer.kernel == "aten" and layer.weight.numel():
+                    ok = layer.use(linear.get(role, "aten")) and ok
+        if self.lm.kernel != "aten" and self.lm_head is not None:
+            self.lm_head = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)  # kept by the kernel
+        self.attention_kernel = attention
+        return ok
 
     def _lm_logits(self, h: torch.Tensor) -> torch.Tensor:
-        if self._lm_packed is not None:
-            return packed_linear(h, self._lm_packed)
+        if self.lm is not None:
+            return self.lm(h)
         return F.linear(h, self.lm_weight())
 
     # -- forward --------------------------------------------------------------------
@@ -278,6 +308,10 @@ class Decoder(nn.Module):
             values = torch.cat([cache_v[:, plan.gather], v_new], dim=1)
             cache_k[:, plan.write] = k_new[:, plan.write_from :]
             cache_v[:, plan.write] = v_new[:, plan.write_from :]
+        if self.attention_kernel == "invariant":
+            from verispec import kernels
+
+            return kernels.load().attention(q, keys, values, plan.mask, self._scale).to(self.dtype)
         out = self._sdpa(q.transpose(0, 1), keys, values, plan.mask)  # [heads, n, D]
         return out.transpose(0, 1).to(self.dtype)
 

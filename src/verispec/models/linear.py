@@ -1,18 +1,26 @@
-"""Linear layers whose weights are pre-packed for oneDNN on CPU.
+"""Linear layers and the kernels that compute them on CPU.
 
-Why: on this machine (2-core Zen 4, AVX-512 + AVX512-BF16, no AMX) PyTorch's default
-F.linear for a single decode row goes to MKL's gemv, which reads weights at ~11 GB/s
-(fp32) against ~26-31 GB/s of memory bandwidth. The same matrix-vector product with the
-weight reordered once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`,
-what torch.compile's CPU backend uses) reads at ~21 GB/s in fp32 and ~15 GB/s in bf16
-(half the bytes, so bf16 is fastest per token), and stays nearly flat from 1 to 16 rows,
-which is what speculative verification needs. Measured by /bench/decode.py (packing
-on vs VERISPEC_NO_PACK=1).
+A `Linear` keeps nn.Linear's parameters and state-dict names, and computes with one of
+these kernels (models/kernel_plan.py chooses per weight shape, by measurement on the
+machine it runs on, and caches the choice):
 
-Packing replaces the dense weight (the packed copy is the only one kept, so memory does
-not double); a packed layer is inference-only. Anywhere oneDNN is missing or refuses a
-shape/dtype, the layer silently stays on F.linear. Results differ from F.linear only by
-float rounding (tests compare against transformers with tolerances, packed and not).
+* `aten`      F.linear on the dense weight (MKL / oneDNN as PyTorch dispatches);
+* `onednn`    the weight pre-packed once for oneDNN (`mkldnn._reorder_linear_weight`):
+              on a 2-core Zen 4 MKL's gemv read weights at ~11 GB/s fp32, oneDNN's packed
+              layout ~21 GB/s fp32 / ~15 GB/s bf16, nearly flat from 1 to 16 rows;
+* `onednn:C`  the same, called on at most C rows at a time: oneDNN picks its blocking by
+              the row count, and on some shapes more rows change a row's result (bf16,
+              K = 1536: from 15 rows on, here), so a batch-invariant plan cuts calls below
+              the row count its invariance probe found safe;
+* `bf16dot`   verispec's AVX512-BF16 kernel (kernels/qlinear.cpp): bf16 x bf16 with
+              float32 sums, batch-invariant by construction;
+* `q8_0`, `q4_1` (+ `-vnni`): verispec's weight-only kernels over GGUF's blocks, float32
+              activations, or int8 activations with VNNI (llama.cpp's arithmetic);
+              fewer bytes per weight, batch-invariant by construction.
+
+Results of the float kernels differ from F.linear only by float rounding (tests compare
+against transformers with tolerances); the quantized ones compute a quantized model
+(bench/quant_quality.py reports its perplexity against float32).
 """
 
 from __future__ import annotations
@@ -22,6 +30,9 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+KERNELS = ("aten", "onednn", "bf16dot", "q8_0", "q4_1", "q8_0-vnni", "q4_1-vnni")  # + "onednn:C"
+QUANT_FORMATS = ("q8_0", "q4_1")
 
 
 def packing_enabled(device: torch.device) -> bool:
@@ -50,25 +61,88 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def kernel_runs(kernel: str, dtype: torch.dtype) -> bool:
+    """Whether `kernel` can compute a `dtype` model on this machine."""
+    base = kernel.split(":")[0]
+    if base == "aten":
+        return True
+    if base == "onednn":
+        return packing_enabled(torch.device("cpu"))
+    from verispec import kernels
+
+    if not kernels.available():
+        return False
+    mod = kernels.load()
+    if base == "bf16dot":
+        return dtype == torch.bfloat16 and bool(mod.bf16dot())
+    if base.endswith("-vnni"):
+        return bool(mod.vnni())
+    return base in QUANT_FORMATS
+
+
 class Linear(nn.Module):
-    """nn.Linear's parameters and state-dict names, plus optional oneDNN packing."""
+    """nn.Linear's parameters and state-dict names, computed by a chosen kernel."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed: torch.Tensor | None = None
+        self.kernel = "aten"
+        self.chunk = 0  # onednn:C -> C rows per call
+        self.packed: torch.Tensor | None = None  # oneDNN's packed weight
+        self.blocks: torch.Tensor | None = None  # uint8 rows for verispec's kernels
+        self._fmt = -1
+        self._isa = -1
 
-    def pack(self) -> bool:
-        packed = pack_weight(self.weight)
-        if packed is None:
-            return False
-        self.packed = packed
-        # drop the dense copy: the packed one is all forward needs
-        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+    def use(self, kernel: str) -> bool:
+        """Switch to `kernel` (False, and unchanged, where it cannot run). The dense weight
+        is dropped once a kernel keeps its own copy, so the choice is made once."""
+        base, _, chunk = kernel.partition(":")
+        dense = self.weight
+        if base == "aten":
+            self.kernel = "aten"
+            return True
+        if base == "onednn":
+            packed = pack_weight(dense)
+            if packed is None:
+                return False
+            self.packed, self.chunk = packed, int(chunk or 0)
+        else:
+            from verispec import kernels
+            from verispec.models.quant import interleave4, quantize
+
+            if not kernel_runs(base, dense.dtype):
+                return False
+            fmt = "bf16" if base == "bf16dot" else base.removesuffix("-vnni")
+            self.blocks = interleave4(dense) if base == "bf16dot" else quantize(dense, fmt)
+            self._fmt = kernels.FORMATS[fmt]
+            self._isa = 3 if base.endswith("-vnni") else -1
+        self.kernel = base if base != "onednn" or not chunk else kernel
+        self._dtype = dense.dtype
+        self.weight = nn.Parameter(torch.empty(0, dtype=dense.dtype), requires_grad=False)
         return True
 
+    def pack(self) -> bool:
+        """oneDNN-pack the weight (the kernel PyTorch-only plans use)."""
+        return self.use("onednn")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return linear_forward(self, x)
+
+
+def linear_forward(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    kernel = layer.kernel
+    if kernel == "aten":
+        return F.linear(x, layer.weight, layer.bias)
+    if layer.packed is not None:
+        c = layer.chunk
+        if not c or x.shape[0] <= c:
+            return packed_linear(x, layer.packed, layer.bias)
+        return torch.cat([packed_linear(x[i : i + c], layer.packed, layer.bias) for i in range(0, x.shape[0], c)])
+    from verispec import kernels
+
+    mod = kernels.load()
+    if kernel == "bf16dot":
+        return mod.bf16_linear(x, layer.blocks, layer.bias, layer.out_features, False).to(x.dtype)
+    return mod.qlinear(x.float(), layer.blocks, layer.bias, layer._fmt, layer.out_features, layer._isa).to(x.dtype)

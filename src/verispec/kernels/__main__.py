@@ -1,0 +1,5 @@
+import sys
+
+from verispec.kernels import main
+
+sys.exit(main())

@@ -1,0 +1,823 @@
+// Weight-only linear kernels for CPU decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
+//
+// W is stored in one of GGUF's block formats (the bytes llama.cpp reads), or bf16:
+//   q4_1: per 32 weights along K: fp16 d, fp16 m, 16 bytes of nibbles (element j in the low
+//         nibble of byte j, element j + 16 in its high nibble); w = d * q + m    (5 bits/weight)
+//   q8_0: per 32 weights: fp16 d, 32 int8; w = d * q                          (8.5 bits/weight)
+//   bf16: plain bfloat16 rows                                                (16 bits/weight)
+// x is float32 and every product is accumulated in float32.
+//
+// Batch invariance, by construction: every output element y[m, n] is the same sequence of
+// float operations whatever M is and whichever other rows share the call. The K loop runs
+// in block order into one 16-lane accumulator per (m, n) (two FMAs per 32-weight block, low
+// half then high half), and the accumulator is reduced by one fixed tree. Rows are tiled
+// (ROW_TILE at a time, reusing each dequantized block from registers) and output columns
+// are split across threads, but neither changes the order of any element's sum. So a row
+// decoded alone, beside other rows, or as one position of a verify block gives bit-equal
+// logits, which is what makes speculative decoding token-identical in these formats.
+//
+// ISA dispatch at run time: an AVX-512 path (AVX512F + AVX512BW, F16C) and an AVX2 + FMA
+// path are compiled into the same object with target attributes; `best_isa()` picks one by
+// __builtin_cpu_supports. Both compute the same operations per element (the AVX2 path keeps
+// two 8-lane accumulators, reduced in the same lane order), so the ISA does not change a
+// result's invariance, only its speed. Checked by tests/test_qlinear.py against a float64
+// reference of the dequantized weights, and for bit-equality across M and row tilings.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int BLOCK = 32;
+constexpr int ROW_TILE = 4;
+constexpr int PREFETCH_TILES = 2;
+constexpr int Q4_1_BYTES = 20;
+constexpr int Q8_0_BYTES = 34;
+
+enum Format { Q4_1 = 0, Q8_0 = 1, BF16 = 2 };
+
+inline float fp16_to_float(uint16_t h) {
+  // IEEE half -> float without F16C, exact (subnormals included)
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {
+      exp = 127 - 15 + 1;
+      while ((mant & 0x400) == 0) { mant <<= 1; exp--; }
+      mant &= 0x3ff;
+      bits = sign | (exp << 23) | (mant << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000 | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// ---------------------------------------------------------------------------- AVX-512
+
+__attribute__((target("avx512f,avx512bw,fma,f16c")))
+inline float hsum512(__m512 v) {
+  // fixed tree: 16 -> 8 -> 4 -> 2 -> 1
+  __m256 lo = _mm512_castps512_ps256(v);
+  __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  __m256 s8 = _mm256_add_ps(lo, hi);
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 0x55));
+  return _mm_cvtss_f32(s1);
+}
+
+template <int FMT>
+__attribute__((target("avx512f,avx512bw,fma,f16c")))
+inline void load_block_512(const uint8_t* w, int64_t b, __m512& lo, __m512& hi) {
+  if constexpr (FMT == Q4_1) {
+    const uint8_t* blk = w + b * Q4_1_BYTES;
+    uint16_t dh, mh;
+    std::memcpy(&dh, blk, 2);
+    std::memcpy(&mh, blk + 2, 2);
+    __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
+    __m512 m = _mm512_set1_ps(_cvtsh_ss(mh));
+    __m128i q = _mm_loadu_si128((const __m128i*)(blk + 4));
+    __m128i qlo = _mm_and_si128(q, _mm_set1_epi8(0x0f));
+    __m128i qhi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0f));
+    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(qlo)), d, m);
+    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(qhi)), d, m);
+  } else if constexpr (FMT == Q8_0) {
+    const uint8_t* blk = w + b * Q8_0_BYTES;
+    uint16_t dh;
+    std::memcpy(&dh, blk, 2);
+    __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
+    __m128i q0 = _mm_loadu_si128((const __m128i*)(blk + 2));
+    __m128i q1 = _mm_loadu_si128((const __m128i*)(blk + 18));
+    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d);
+    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d);
+  } else {
+    const uint16_t* row = (const uint16_t*)w + b * BLOCK;
+    __m256i r0 = _mm256_loadu_si256((const __m256i*)row);
+    __m256i r1 = _mm256_loadu_si256((const __m256i*)(row + 16));
+    lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r0), 16));
+    hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r1), 16));
+  }
+}
+
+template <int FMT>
+__attribute__((target("avx512f,avx512bw,fma,f16c")))
+void kernel_512(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
+                int64_t K, int64_t row_bytes, int64_t n0, int64_t n1) {
+  const int64_t nb = K / BLOCK;
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t* wn = w + n * row_bytes;
+    const float b = bias ? bias[n] : 0.0f;
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
+      const int mt = (int)std::min<int64_t>(ROW_TILE, M - m0);
+      __m512 acc[ROW_TILE];
+      for (int t = 0; t < ROW_TILE; t++) acc[t] = _mm512_setzero_ps();
+      for (int64_t blk = 0; blk < nb; blk++) {
+        __m512 lo, hi;
+        load_block_512<FMT>(wn, blk, lo, hi);
+        for (int t = 0; t < mt; t++) {
+          const float* xr = x + (m0 + t) * K + blk * BLOCK;
+          acc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[t]);
+          acc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc[t]);
+        }
+      }
+      for (int t = 0; t < mt; t++) y[(m0 + t) * N + n] = hsum512(acc[t]) + b;
+    }
+  }
+}
+
+
+// ---------------------------------------------------------------------------- AVX-512 VNNI
+//
+// The fast path where the CPU has VNNI: x is quantized per row and per 32-block to int8
+// (dx = absmax / 127, xq = round(x / dx): llama.cpp's q8 activations), each block's dot
+// product is an exact integer sum (vpdpbusd), and only the per-block scaling is float:
+//   q4_1: y += d * dx * sum(q * xq) + m * dx * sum(xq)      q8_0: y += d * dx * sum(q * xq)
+// Integer sums do not depend on order; the float accumulation runs in block order into
+// one 8-lane accumulator per output (and, for q4_1, one scalar for the m terms), reduced
+// by a fixed tree: invariant to M and to the row tiling, like the float kernels. This is
+// a different model from the float kernels (activations rounded to 8 bits, as llama.cpp
+// computes these formats), so an engine uses one kernel per weight for all its forwards.
+
+struct QuantizedRows {
+  std::vector<int8_t> q;     // [M, K]
+  std::vector<float> scale;  // [M, K/32]
+  std::vector<float> qsum;   // [M, K/32]: scale * sum(q) of the block (q4_1's m term)
+};
+
+void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& out) {
+  const int64_t nb = K / BLOCK;
+  out.q.resize(M * K);
+  out.scale.resize(M * nb);
+  out.qsum.resize(M * nb);
+  for (int64_t m = 0; m < M; m++) {
+    for (int64_t b = 0; b < nb; b++) {
+      const float* xb = x + m * K + b * BLOCK;
+      float amax = 0.0f;
+      for (int j = 0; j < BLOCK; j++) amax = std::max(amax, std::fabs(xb[j]));
+      const float d = amax / 127.0f;
+      const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+      int sum = 0;
+      int8_t* qb = out.q.data() + m * K + b * BLOCK;
+      for (int j = 0; j < BLOCK; j++) {
+        int v = (int)std::nearbyint(xb[j] * inv);
+        v = std::min(127, std::max(-127, v));
+        qb[j] = (int8_t)v;
+        sum += v;
+      }
+      out.scale[m * nb + b] = d;
+      out.qsum[m * nb + b] = d * (float)sum;
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+inline float hsum256(__m256 v) {
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 0x55));
+  return _mm_cvtss_f32(s1);
+}
+
+template <int FMT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+void kernel_vnni(const QuantizedRows& xq, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
+                 int64_t K, int64_t row_bytes, int64_t n0, int64_t n1) {
+  const int64_t nb = K / BLOCK;
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t* wn = w + n * row_bytes;
+    const float b = bias ? bias[n] : 0.0f;
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
+      const int mt = (int)std::min<int64_t>(ROW_TILE, M - m0);
+      __m256 acc[ROW_TILE];
+      float macc[ROW_TILE];
+      for (int t = 0; t < ROW_TILE; t++) { acc[t] = _mm256_setzero_ps(); macc[t] = 0.0f; }
+      for (int64_t blk = 0; blk < nb; blk++) {
+        float d, mn = 0.0f;
+        __m256i wq, wsign;
+        if constexpr (FMT == Q4_1) {
+          const uint8_t* p = wn + blk * Q4_1_BYTES;
+          uint16_t dh, mh;
+          std::memcpy(&dh, p, 2);
+          std::memcpy(&mh, p + 2, 2);
+          d = _cvtsh_ss(dh);
+          mn = _cvtsh_ss(mh);
+          __m128i q = _mm_loadu_si128((const __m128i*)(p + 4));
+          __m128i lo = _mm_and_si128(q, low4);
+          __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
+          wq = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);  // elements 0..31, unsigned
+        } else {
+          const uint8_t* p = wn + blk * Q8_0_BYTES;
+          uint16_t dh;
+          std::memcpy(&dh, p, 2);
+          d = _cvtsh_ss(dh);
+          __m256i q = _mm256_loadu_si256((const __m256i*)(p + 2));
+          wq = _mm256_abs_epi8(q);  // |w| as unsigned, its sign moved onto x below
+          wsign = q;
+        }
+        for (int t = 0; t < mt; t++) {
+          const int64_t r = m0 + t;
+          __m256i xv = _mm256_loadu_si256((const __m256i*)(xq.q.data() + r * K + blk * BLOCK));
+          if constexpr (FMT == Q8_0) xv = _mm256_sign_epi8(xv, wsign);
+          __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, xv);  // exact
+          const float s = d * xq.scale[r * nb + blk];
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s), acc[t]);
+          if constexpr (FMT == Q4_1) macc[t] = std::fma(mn, xq.qsum[r * nb + blk], macc[t]);
+        }
+      }
+      for (int t = 0; t < mt; t++) y[(m0 + t) * N + n] = (hsum256(acc[t]) + macc[t]) + b;
+    }
+  }
+}
+
+
+// ---------------------------------------------------------------------------- AVX512-BF16
+//
+// bf16 weights and bf16 activations (what a bf16 model computes), products summed in
+// float32 by vdpbf16ps: per 32-element block one instruction per row, each of its 16
+// lanes adding one pair of products to its float accumulator. The same instruction
+// sequence for every output element whatever M is: batch-invariant, like the others.
+// Output float32 or bf16 (round to nearest even, as torch's .to(bfloat16)).
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+inline float hsum512bf(__m512 v) {
+  __m256 lo = _mm512_castps512_ps256(v);
+  __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  __m256 s8 = _mm256_add_ps(lo, hi);
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 0x55));
+  return _mm_cvtss_f32(s1);
+}
+
+inline uint16_t float_to_bf16_rne(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40);  // NaN stays NaN
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return (uint16_t)(bits >> 16);
+}
+
+// Four accumulators -> their four sums, by exactly hsum512bf's tree for each (lane j +
+// lane j+8, then j + j+4, j + j+2, j + j+1), done for all four at once with shuffles.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+inline __m128 reduce4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+  __m512 t01 = _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x44), _mm512_shuffle_f32x4(v0, v1, 0xEE));
+  __m512 t23 = _mm512_add_ps(_mm512_shuffle_f32x4(v2, v3, 0x44), _mm512_shuffle_f32x4(v2, v3, 0xEE));
+  __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t01, t23, 0x88), _mm512_shuffle_f32x4(t01, t23, 0xDD));
+  __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u, u, 0x44), _mm512_shuffle_ps(u, u, 0xEE));
+  __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w, w, 0x00), _mm512_shuffle_ps(w, w, 0x55));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), z));
+}
+
+// float -> bf16, round to nearest even, exactly as float_to_bf16_rne (NaN kept a NaN)
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+inline __m128i bf16_rne4(__m128 v) {
+  __m128i bits = _mm_castps_si128(v);
+  __m128i lsb = _mm_and_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(1));
+  __m128i rounded = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(bits, _mm_set1_epi32(0x7fff)), lsb), 16);
+  __m128i nan = _mm_or_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(0x40));
+  __mmask8 is_nan = _mm_cmpgt_epi32_mask(_mm_and_si128(bits, _mm_set1_epi32(0x7fffffff)), _mm_set1_epi32(0x7f800000));
+  __m128i out = _mm_mask_mov_epi32(rounded, is_nan, nan);
+  return _mm_cvtepi32_epi16(out);  // low 16 bits of each lane
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+inline void store_out(void* y, bool y_bf16, int64_t idx, float v) {
+  if (y_bf16) ((uint16_t*)y)[idx] = float_to_bf16_rne(v);
+  else ((float*)y)[idx] = v;
+}
+
+// Weights in "4-interleaved" rows: columns 4t..4t+3 stored block by block, [c0 b0][c1 b0]
+// [c2 b0][c3 b0][c0 b1]..., so four columns are computed at once (independent accumulators
+// hide the dot instruction's latency, each x load serves four columns) while the weights
+// are still read strictly in memory order (reading four plain rows side by side halved
+// the DRAM throughput of the 49152 x 576 lm_head here). MT rows at a time, compile-time
+// tile sizes, so the accumulators live in registers. Neither tiling changes any element's
+// own sequence of operations.
+template <int MT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+inline void bf16dot_tile(const uint16_t* x, const uint16_t* w4, const float* bias, void* y, bool y_bf16, int64_t N,
+                         int64_t K, int64_t m0, int64_t n) {
+  const int64_t nb = K / BLOCK;
+  __m512 acc[MT][4];
+#pragma GCC unroll 16
+  for (int t = 0; t < MT; t++)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) acc[t][c] = _mm512_setzero_ps();
+  const uint16_t* wt = w4 + n * K;  // the tile of columns n..n+3
+  const char* ahead = (const char*)(wt + PREFETCH_TILES * 4 * K);  // a later tile, streamed in ahead
+  for (int64_t blk = 0; blk < nb; blk++) {
+    for (int c = 0; c < 4; c++) _mm_prefetch(ahead + (blk * 4 + c) * BLOCK * 2, _MM_HINT_T0);
+    __m512bh wv[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) wv[c] = (__m512bh)_mm512_loadu_si512((const void*)(wt + (blk * 4 + c) * BLOCK));
+#pragma GCC unroll 16
+    for (int t = 0; t < MT; t++) {
+      __m512bh xv = (__m512bh)_mm512_loadu_si512((const void*)(x + (m0 + t) * K + blk * BLOCK));
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; c++) acc[t][c] = _mm512_dpbf16_ps(acc[t][c], wv[c], xv);
+    }
+  }
+  const bool full = n + 4 <= N;
+  const __m128 bv = bias && full ? _mm_loadu_ps(bias + n) : _mm_setzero_ps();
+  for (int t = 0; t < MT; t++) {
+    if (!full) {  // the padded last tile: one column at a time, the same tree
+      for (int c = 0; c < 4 && n + c < N; c++)
+        store_out(y, y_bf16, (m0 + t) * N + n + c, hsum512bf(acc[t][c]) + (bias ? bias[n + c] : 0.0f));
+      continue;
+    }
+    __m128 r = _mm_add_ps(reduce4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]), bv);
+    const int64_t at = (m0 + t) * N + n;
+    if (y_bf16) _mm_storel_epi64((__m128i*)((uint16_t*)y + at), bf16_rne4(r));
+    else _mm_storeu_ps((float*)y + at, r);
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void kernel_bf16dot(const uint16_t* x, const uint8_t* w, const float* bias, void* y, bool y_bf16, int64_t M,
+                    int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  const uint16_t* w4 = (const uint16_t*)w;
+  for (int64_t n = n0; n < n1; n += 4) {
+    int64_t m0 = 0;
+    for (; M - m0 >= 6; m0 += 6) bf16dot_tile<6>(x, w4, bias, y, y_bf16, N, K, m0, n);
+    switch (M - m0) {
+      case 5: bf16dot_tile<3>(x, w4, bias, y, y_bf16, N, K, m0, n);
+              bf16dot_tile<2>(x, w4, bias, y, y_bf16, N, K, m0 + 3, n); break;
+      case 4: bf16dot_tile<4>(x, w4, bias, y, y_bf16, N, K, m0, n); break;
+      case 3: bf16dot_tile<3>(x, w4, bias, y, y_bf16, N, K, m0, n); break;
+      case 2: bf16dot_tile<2>(x, w4, bias, y, y_bf16, N, K, m0, n); break;
+      case 1: bf16dot_tile<1>(x, w4, bias, y, y_bf16, N, K, m0, n); break;
+      default: break;
+    }
+  }
+}
+
+bool has_avx512bf16() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+}
+
+
+// ---------------------------------------------------------------------------- attention
+//
+// out[i, h] = softmax(scale * q[i, h] . K[g]^T over the keys mask[i] allows) @ V[g], g the
+// KV head of query head h. Every (query, head) is computed alone, by the same steps in
+// the same order whatever else is in the call: the scores of its allowed keys in slot
+// order (each a 16-lane dot over head_dim with a fixed reduction tree), their maximum,
+// then exp(score - max) summed in slot order and used to weight V in slot order, and one
+// division. So a query gives bit-equal output decoded alone, inside a verify block or a
+// prefill chunk, which the fused attention kernels do not promise (PyTorch's CPU flash
+// attention changed float32 outputs by ~1e-7 between a 1-query and a 9-query call).
+// exp is a fixed polynomial (Cephes' expf: range reduction to [-ln2/2, ln2/2] and a
+// degree-5 polynomial, ~1 ulp), vectorized over 16 keys; the scalar tail uses the same
+// polynomial so lanes and tails agree.
+
+inline float exp_poly(float x) {
+  x = std::min(88.3762626647949f, std::max(-88.3762626647949f, x));
+  float fx = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = std::fma(fx, -0.693359375f, x);
+  r = std::fma(fx, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  float rr = r * r;
+  p = std::fma(p, rr, r);
+  p = p + 1.0f;
+  int32_t e = (int32_t)fx + 127;
+  uint32_t bits = (uint32_t)e << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+__attribute__((target("avx512f,avx512bw,fma")))
+inline __m512 exp_poly512(__m512 x) {
+  x = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), _mm512_max_ps(_mm512_set1_ps(-88.3762626647949f), x));
+  // floor(x * log2e + 0.5) as the scalar code: mul then add, not fused
+  __m512 fx = _mm512_floor_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)));
+  __m512 r = _mm512_fmadd_ps(fx, _mm512_set1_ps(-0.693359375f), x);
+  r = _mm512_fmadd_ps(fx, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 rr = _mm512_mul_ps(r, r);
+  p = _mm512_fmadd_ps(p, rr, r);
+  p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+  __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127));
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(e, 23)));
+}
+
+__attribute__((target("avx512f,avx512bw,fma")))
+inline float dot512(const float* a, const float* b, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+  return hsum512(acc);
+}
+
+// hsum512's tree for four vectors at once (as reduce4 for the bf16 kernel)
+__attribute__((target("avx512f,avx512bw,fma")))
+inline __m128 reduce4f(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+  __m512 t01 = _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x44), _mm512_shuffle_f32x4(v0, v1, 0xEE));
+  __m512 t23 = _mm512_add_ps(_mm512_shuffle_f32x4(v2, v3, 0x44), _mm512_shuffle_f32x4(v2, v3, 0xEE));
+  __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t01, t23, 0x88), _mm512_shuffle_f32x4(t01, t23, 0xDD));
+  __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u, u, 0x44), _mm512_shuffle_ps(u, u, 0xEE));
+  __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w, w, 0x00), _mm512_shuffle_ps(w, w, 0x55));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), z));
+}
+
+// DV = head_dim / 16 vectors: q and the output accumulator stay in registers
+template <int DV>
+__attribute__((target("avx512f,avx512bw,fma")))
+void attend_one_512(const float* q, const float* K, const float* V, const bool* allow, int64_t S, float scale,
+                    float* scores, float* out) {
+  constexpr int64_t D = DV * 16;
+  __m512 qv[DV];
+#pragma GCC unroll 16
+  for (int d = 0; d < DV; d++) qv[d] = _mm512_loadu_ps(q + d * 16);
+  // scores of every key (masked ones too: they are skipped below), four keys per reduction
+  int64_t j = 0;
+  for (; j + 4 <= S; j += 4) {
+    __m512 a[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+      a[c] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+      for (int d = 0; d < DV; d++) a[c] = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(K + (j + c) * D + d * 16), a[c]);
+    }
+    _mm_storeu_ps(scores + j, _mm_mul_ps(reduce4f(a[0], a[1], a[2], a[3]), _mm_set1_ps(scale)));
+  }
+  for (; j < S; j++) {
+    __m512 a = _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int d = 0; d < DV; d++) a = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(K + j * D + d * 16), a);
+    scores[j] = hsum512(a) * scale;
+  }
+  float mx = -INFINITY;
+  for (int64_t jj = 0; jj < S; jj++)
+    if (!allow || allow[jj]) mx = std::max(mx, scores[jj]);
+  // weights, 16 keys at a time; masked keys get 0 and are skipped in the sums
+  const __m512 vmx = _mm512_set1_ps(mx);
+  j = 0;
+  for (; j + 16 <= S; j += 16)
+    _mm512_storeu_ps(scores + j, exp_poly512(_mm512_sub_ps(_mm512_loadu_ps(scores + j), vmx)));
+  for (; j < S; j++) scores[j] = exp_poly(scores[j] - mx);
+  float sum = 0.0f;
+  __m512 acc[DV];
+#pragma GCC unroll 16
+  for (int d = 0; d < DV; d++) acc[d] = _mm512_setzero_ps();
+  for (int64_t jj = 0; jj < S; jj++) {
+    if (allow && !allow[jj]) continue;
+    const float w = scores[jj];
+    sum += w;
+    const __m512 vw = _mm512_set1_ps(w);
+#pragma GCC unroll 16
+    for (int d = 0; d < DV; d++) acc[d] = _mm512_fmadd_ps(vw, _mm512_loadu_ps(V + jj * D + d * 16), acc[d]);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / sum);
+#pragma GCC unroll 16
+  for (int d = 0; d < DV; d++) _mm512_storeu_ps(out + d * 16, _mm512_mul_ps(acc[d], inv));
+}
+
+void attend_one_scalar(const float* q, const float* K, const float* V, const bool* allow, int64_t S, int64_t D,
+                       float scale, float* scores, float* out) {
+  // the AVX-512 path's operations, one lane at a time (D a multiple of 16)
+  for (int64_t j = 0; j < S; j++) {
+    float acc[16] = {0};
+    for (int64_t d = 0; d < D; d += 16)
+      for (int l = 0; l < 16; l++) acc[l] = std::fma(q[d + l], K[j * D + d + l], acc[l]);
+    float s8[8], s4[4], s2[2];
+    for (int l = 0; l < 8; l++) s8[l] = acc[l] + acc[l + 8];
+    for (int l = 0; l < 4; l++) s4[l] = s8[l] + s8[l + 4];
+    for (int l = 0; l < 2; l++) s2[l] = s4[l] + s4[l + 2];
+    scores[j] = (s2[0] + s2[1]) * scale;
+  }
+  float mx = -INFINITY;
+  for (int64_t j = 0; j < S; j++)
+    if (!allow || allow[j]) mx = std::max(mx, scores[j]);
+  for (int64_t j = 0; j < S; j++) scores[j] = exp_poly(scores[j] - mx);
+  float sum = 0.0f;
+  for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
+  for (int64_t j = 0; j < S; j++) {
+    if (allow && !allow[j]) continue;
+    sum += scores[j];
+    for (int64_t d = 0; d < D; d++) out[d] = std::fma(scores[j], V[j * D + d], out[d]);
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t d = 0; d < D; d++) out[d] *= inv;
+}
+
+// ---------------------------------------------------------------------------- AVX2
+
+__attribute__((target("avx2,fma,f16c")))
+inline float hsum_2x256(__m256 a, __m256 b) {
+  // the same lane order as hsum512: lanes 0..7 are a, 8..15 are b
+  __m256 s8 = _mm256_add_ps(a, b);
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 0x55));
+  return _mm_cvtss_f32(s1);
+}
+
+template <int FMT>
+__attribute__((target("avx2,fma,f16c")))
+inline void load_block_256(const uint8_t* w, int64_t b, __m256 out[4]) {
+  if constexpr (FMT == Q4_1) {
+    const uint8_t* blk = w + b * Q4_1_BYTES;
+    uint16_t dh, mh;
+    std::memcpy(&dh, blk, 2);
+    std::memcpy(&mh, blk + 2, 2);
+    __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));
+    __m256 m = _mm256_set1_ps(_cvtsh_ss(mh));
+    __m128i q = _mm_loadu_si128((const __m128i*)(blk + 4));
+    __m128i qlo = _mm_and_si128(q, _mm_set1_epi8(0x0f));
+    __m128i qhi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0f));
+    out[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(qlo)), d, m);
+    out[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(qlo, 8))), d, m);
+    out[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(qhi)), d, m);
+    out[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(qhi, 8))), d, m);
+  } else if constexpr (FMT == Q8_0) {
+    const uint8_t* blk = w + b * Q8_0_BYTES;
+    uint16_t dh;
+    std::memcpy(&dh, blk, 2);
+    __m256 d = _mm256_set1_ps(_cvtsh_ss(dh));
+    for (int i = 0; i < 4; i++) {
+      __m128i q = _mm_loadl_epi64((const __m128i*)(blk + 2 + 8 * i));
+      out[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+    }
+  } else {
+    const uint16_t* row = (const uint16_t*)w + b * BLOCK;
+    for (int i = 0; i < 4; i++) {
+      __m128i r = _mm_loadu_si128((const __m128i*)(row + 8 * i));
+      out[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(r), 16));
+    }
+  }
+}
+
+template <int FMT>
+__attribute__((target("avx2,fma,f16c")))
+void kernel_256(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
+                int64_t K, int64_t row_bytes, int64_t n0, int64_t n1) {
+  // two 8-lane accumulators per row stand for the 16 lanes of the AVX-512 path: lanes
+  // 0..7 take elements 0..7 and 16..23 of a block, lanes 8..15 elements 8..15 and 24..31,
+  // in the same order as there (low half of the block, then high half)
+  const int64_t nb = K / BLOCK;
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t* wn = w + n * row_bytes;
+    const float b = bias ? bias[n] : 0.0f;
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
+      const int mt = (int)std::min<int64_t>(ROW_TILE, M - m0);
+      __m256 a0[ROW_TILE], a1[ROW_TILE];
+      for (int t = 0; t < ROW_TILE; t++) a0[t] = a1[t] = _mm256_setzero_ps();
+      for (int64_t blk = 0; blk < nb; blk++) {
+        __m256 v[4];
+        load_block_256<FMT>(wn, blk, v);
+        for (int t = 0; t < mt; t++) {
+          const float* xr = x + (m0 + t) * K + blk * BLOCK;
+          a0[t] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xr), a0[t]);
+          a1[t] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xr + 8), a1[t]);
+          a0[t] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xr + 16), a0[t]);
+          a1[t] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xr + 24), a1[t]);
+        }
+      }
+      for (int t = 0; t < mt; t++) y[(m0 + t) * N + n] = hsum_2x256(a0[t], a1[t]) + b;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------- scalar
+
+template <int FMT>
+void kernel_scalar(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
+                   int64_t K, int64_t row_bytes, int64_t n0, int64_t n1) {
+  // 16 lane accumulators, the AVX-512 path's order, one lane at a time
+  const int64_t nb = K / BLOCK;
+  float wv[BLOCK];
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t* wn = w + n * row_bytes;
+    const float b = bias ? bias[n] : 0.0f;
+    for (int64_t m = 0; m < M; m++) {
+      float acc[16] = {0};
+      for (int64_t blk = 0; blk < nb; blk++) {
+        if (FMT == Q4_1) {
+          const uint8_t* p = wn + blk * Q4_1_BYTES;
+          uint16_t dh, mh;
+          std::memcpy(&dh, p, 2);
+          std::memcpy(&mh, p + 2, 2);
+          float d = fp16_to_float(dh), mm = fp16_to_float(mh);
+          for (int j = 0; j < 16; j++) {
+            wv[j] = std::fma((float)(p[4 + j] & 0x0f), d, mm);
+            wv[j + 16] = std::fma((float)(p[4 + j] >> 4), d, mm);
+          }
+        } else if (FMT == Q8_0) {
+          const uint8_t* p = wn + blk * Q8_0_BYTES;
+          uint16_t dh;
+          std::memcpy(&dh, p, 2);
+          float d = fp16_to_float(dh);
+          for (int j = 0; j < 32; j++) wv[j] = (float)(int8_t)p[2 + j] * d;
+        } else {
+          const uint16_t* row = (const uint16_t*)wn + blk * BLOCK;
+          for (int j = 0; j < 32; j++) {
+            uint32_t bits = (uint32_t)row[j] << 16;
+            std::memcpy(&wv[j], &bits, 4);
+          }
+        }
+        const float* xr = x + m * K + blk * BLOCK;
+        for (int j = 0; j < 16; j++) acc[j] = std::fma(wv[j], xr[j], acc[j]);
+        for (int j = 0; j < 16; j++) acc[j] = std::fma(wv[j + 16], xr[j + 16], acc[j]);
+      }
+      float s8[8], s4[4], s2[2];
+      for (int j = 0; j < 8; j++) s8[j] = acc[j] + acc[j + 8];
+      for (int j = 0; j < 4; j++) s4[j] = s8[j] + s8[j + 4];
+      for (int j = 0; j < 2; j++) s2[j] = s4[j] + s4[j + 2];
+      y[m * N + n] = (s2[0] + s2[1]) + b;
+    }
+  }
+}
+
+enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, VNNI = 3 };
+
+bool has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
+}
+
+int best_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("f16c"))
+    return AVX512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return AVX2;
+  return SCALAR;
+}
+
+using KernelFn = void (*)(const float*, const uint8_t*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, int64_t);
+
+template <int FMT>
+KernelFn pick(int isa) {
+  if (isa == AVX512) return kernel_512<FMT>;
+  if (isa == AVX2) return kernel_256<FMT>;
+  return kernel_scalar<FMT>;
+}
+
+int64_t row_bytes_for(int fmt, int64_t K) {
+  if (fmt == Q4_1) return K / BLOCK * Q4_1_BYTES;
+  if (fmt == Q8_0) return K / BLOCK * Q8_0_BYTES;
+  return K * 2;
+}
+
+}  // namespace
+
+// isa: -1 the best float kernel for this CPU, 0 scalar, 1 avx2, 2 avx512 (float activations);
+// 3 VNNI (int8 activations; q4_1 and q8_0 only; a different numerical model, see above)
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t fmt, int64_t N,
+                      int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w must be contiguous uint8 blocks");
+  TORCH_CHECK(fmt >= 0 && fmt <= 2, "unknown weight format");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % BLOCK == 0, "K must be a multiple of 32");
+  const int64_t row_bytes = row_bytes_for((int)fmt, K);
+  TORCH_CHECK(w.numel() == N * row_bytes, "w has ", w.numel(), " bytes, expected ", N * row_bytes);
+  const float* bptr = nullptr;
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias must have N elements");
+    bptr = b.data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (isa == VNNI) {
+    TORCH_CHECK(fmt != BF16, "the VNNI kernel reads q4_1 and q8_0 weights only");
+    TORCH_CHECK(has_vnni(), "this CPU has no AVX-512 VNNI");
+    QuantizedRows xq;
+    quantize_rows(x.data_ptr<float>(), M, K, xq);
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    const int64_t grain = std::max<int64_t>(16, N / (4 * std::max(1, at::get_num_threads())));
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      if (fmt == Q4_1) kernel_vnni<Q4_1>(xq, wp, bptr, yp, M, N, K, row_bytes, n0, n1);
+      else kernel_vnni<Q8_0>(xq, wp, bptr, yp, M, N, K, row_bytes, n0, n1);
+    });
+    return y;
+  }
+  if (isa < 0) isa = best_isa();
+  KernelFn fn = fmt == Q4_1 ? pick<Q4_1>((int)isa) : fmt == Q8_0 ? pick<Q8_0>((int)isa) : pick<BF16>((int)isa);
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  // columns split across threads; every element's own sum is unchanged by the split
+  const int64_t grain = std::max<int64_t>(16, N / (4 * std::max(1, at::get_num_threads())));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { fn(xp, wp, bptr, yp, M, N, K, row_bytes, n0, n1); });
+  return y;
+}
+
+// x bf16 [M, K], w bf16 rows as uint8; out bf16 (or float32 with out_float)
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t N,
+                          bool out_float) {
+  TORCH_CHECK(has_avx512bf16(), "this CPU has no AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be a 2-D bfloat16 tensor");
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w must be contiguous uint8 (bf16 rows)");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % BLOCK == 0, "K must be a multiple of 32");
+  const int64_t n_pad = (N + 3) / 4 * 4;
+  TORCH_CHECK(w.numel() == n_pad * K * 2, "w must hold the 4-interleaved rows (N rounded up to 4)");
+  const float* bptr = nullptr;
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(torch::kFloat32).contiguous();
+    bptr = b.data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options().dtype(out_float ? torch::kFloat32 : torch::kBFloat16));
+  const uint16_t* xp = (const uint16_t*)x.data_ptr();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  void* yp = y.data_ptr();
+  const int64_t grain = std::max<int64_t>(16, N / (4 * std::max(1, at::get_num_threads())));
+  // split on whole 4-column tiles
+  at::parallel_for(0, n_pad / 4, std::max<int64_t>(1, grain / 4), [&](int64_t t0, int64_t t1) {
+    kernel_bf16dot(xp, wp, bptr, yp, !out_float, M, N, K, t0 * 4, t1 * 4);
+  });
+  return y;
+}
+
+// q [n, H, D], k and v [G, S, D] float32 (G KV heads, H a multiple of G), mask [n, S]
+// bool (true = attend) or undefined (every key); returns [n, H, D] float32
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
+                        double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q [n, H, D], k and v [G, S, D]");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
+              v.scalar_type() == torch::kFloat32, "attention runs in float32");
+  q = q.contiguous();
+  k = k.contiguous();
+  v = v.contiguous();
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), G = k.size(0), S = k.size(1);
+  TORCH_CHECK(k.size(2) == D && v.size(0) == G && v.size(1) == S && v.size(2) == D && H % G == 0, "shape mismatch");
+  const bool* mp = nullptr;
+  torch::Tensor mk;
+  if (mask.has_value() && mask->defined()) {
+    mk = mask->to(torch::kBool).contiguous();
+    TORCH_CHECK(mk.size(0) == n && mk.size(1) == S, "mask must be [n, S]");
+    mp = mk.data_ptr<bool>();
+  }
+  auto out = torch::empty({n, H, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16");
+  const bool wide = best_isa() == AVX512;
+  const int64_t per_group = H / G;
+  at::parallel_for(0, n * H, 1, [&](int64_t a, int64_t b) {
+    std::vector<float> scores(S + 16);
+    for (int64_t t = a; t < b; t++) {
+      const int64_t i = t / H, h = t % H, g = h / per_group;
+      const float* qi = qp + (i * H + h) * D;
+      const bool* allow = mp ? mp + i * S : nullptr;
+      float* oi = op + (i * H + h) * D;
+      const float* kg = kp + g * S * D;
+      const float* vg = vp + g * S * D;
+      if (wide && D == 64) attend_one_512<4>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
+      else if (wide && D == 128) attend_one_512<8>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
+      else if (wide && D == 256) attend_one_512<16>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
+      else attend_one_scalar(qi, kg, vg, allow, S, D, (float)scale, scores.data(), oi);
+    }
+  });
+  return out;
+}
+
+int64_t isa() { return best_isa(); }
+bool bf16dot() { return has_avx512bf16(); }
+bool vnni() { return has_vnni(); }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qlinear", &qlinear, "weight-only linear over q4_1 / q8_0 / bf16 rows (batch-invariant)");
+  m.def("isa", &isa, "the ISA the float kernels dispatch to: 0 scalar, 1 avx2, 2 avx512");
+  m.def("vnni", &vnni, "whether the int8-activation VNNI kernel runs here");
+  m.def("bf16_linear", &bf16_linear, "bf16 x bf16 linear with float32 sums (AVX512-BF16, batch-invariant)");
+  m.def("attention", &attention, "attention computed per (query, head), batch-invariant");
+  m.def("bf16dot", &bf16dot, "whether the AVX512-BF16 kernel runs here");
+}
