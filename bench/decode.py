@@ -1,21 +1,34 @@
-"""Decode benchmark: prefill tok/s, TTFT and decode tok/s on SmolLM2-135M-Instruct.
+"""Decode benchmark: TTFT and decode tok/s of one request, per model, against the peers.
 
-Compares, in the same run and on the same weights: verispec (fp32, bf16), HF transformers
-`generate` (fp32, bf16, sdpa attention) and llama.cpp via llama-cpp-python on the
-original Q4_1 GGUF (when installed). Prints a table, the memory-bandwidth ceiling
-(bytes read per token / measured bandwidth) and one JSON line.
+For each model (default: smollm2-135m-instruct and gemma3-270m), in the same run and on
+the same weights:
+
+* verispec as served (`load_for_serving`: the kernel plan measured for this machine,
+  lossless weight formats, `--dtype auto`), the same with PyTorch's kernels only
+  (oneDNN-packed bf16, SDPA: what verispec ran before its own kernels), and bf16 with
+  verispec's batch-invariant kernels and no quantization;
+* HF transformers `generate` (bf16, sdpa attention) on the converted HF folder;
+* llama.cpp through llama-cpp-python on the original GGUF (SmolLM2 Q4_1, Gemma-3
+  Q4_K_M), when installed.
 
 Runs are interleaved (every engine once per round, `--rounds` rounds) and the best round
 per engine is reported, because this machine is shared and noisy: the best of several
 is the least disturbed measurement of each, and ratios between engines are what count.
+Each row also shows its memory-bandwidth ceiling: measured read bandwidth / the weight
+bytes a decode step reads (per the engine's weight formats).
 
-    .venv/bin/python bench/decode.py                 # defaults: 2 threads, 128 new tokens
-    .venv/bin/python bench/decode.py --rounds 5 --skip-llamacpp
+`--profile` adds a per-step breakdown of verispec's default engine (torch.profiler over
+decode steps): matmuls, attention, norms and elementwise ops, sampling, and the rest
+(Python and dispatch: wall time minus the ops).
+
+    .venv/bin/python bench/decode.py                      # both models, 2 threads, 128 new tokens
+    .venv/bin/python bench/decode.py --models smollm2-135m-instruct --rounds 5 --profile
 
 The llama.cpp peer (optional) compiles from source in a few minutes; its default native
 build can crash in AMX paths on some hosts, so build it portable with AVX-512:
-    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \\
       -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" .venv/bin/pip install llama-cpp-python
+Prints a table per model and one JSON line.
 """
 
 from __future__ import annotations
@@ -26,16 +39,19 @@ import time
 
 import torch
 
-PROMPT = (
+CHAT_PROMPT = (
     "You are reviewing a pull request that adds speculative decoding to an inference server. "
     "Explain, step by step, what a reviewer should check to be sure the change is lossless: "
     "how greedy verification works, how sampling verification keeps the target distribution, "
     "what must happen to the KV cache when drafted tokens are rejected, and which tests would "
     "prove it. Be concrete and thorough."
 )
+RAW_PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+              "combined movable metal type, oil-based ink and a screw press. In the decades that followed,")
+BYTES_PER_WEIGHT = {"float32": 4.0, "bfloat16": 2.0, "q8_0": 34 / 32, "q4_1": 20 / 32}
 
 
-def measure_bandwidth(threads: int) -> float:
+def measure_bandwidth() -> float:
     """Read bandwidth in GB/s: a sum over a 512 MB float32 buffer (best of 5)."""
     x = torch.ones(128 * 1024 * 1024)
     best = float("inf")
@@ -46,14 +62,18 @@ def measure_bandwidth(threads: int) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def weight_bytes_per_token(args, dtype: torch.dtype) -> int:
-    """Bytes of weights a decode step reads: every matrix once plus the lm_head (which
-    reads the whole vocabulary table; the embedding lookup reads one row). Norms and
-    the KV cache are a rounding error at these prompt lengths."""
-    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    per_layer = args.hidden_size * (q + 2 * kv) + q * args.hidden_size + 3 * args.hidden_size * args.intermediate_size
-    elements = args.num_layers * per_layer + args.vocab_size * args.hidden_size
-    return elements * (torch.finfo(dtype).bits // 8)
+def weight_bytes(model, formats: dict[str, str] | None = None) -> int:
+    """Bytes of weights a decode step reads: every matrix once, in its format, plus the
+    lm_head (the whole vocabulary table; the embedding lookup reads one row)."""
+    a = model.args
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    sizes = {"qkv": a.hidden_size * (q + 2 * kv), "o_proj": q * a.hidden_size,
+             "gate_up": 2 * a.hidden_size * a.intermediate_size, "down": a.hidden_size * a.intermediate_size}
+    dtype = str(model.dtype).removeprefix("torch.")
+    formats = formats or {}
+    total = sum(a.num_layers * n * BYTES_PER_WEIGHT[formats.get(r, dtype)] for r, n in sizes.items())
+    total += a.vocab_size * a.hidden_size * BYTES_PER_WEIGHT[formats.get("lm_head", dtype)]
+    return int(total)
 
 
 def run_ours(loaded, prompt_ids, n_new):
@@ -83,18 +103,10 @@ def run_hf(model, prompt_ids, n_new):
     ids = torch.tensor([prompt_ids])
     t0 = time.perf_counter()
     with torch.inference_mode():
-        model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n_new,
-            min_new_tokens=n_new,
-            do_sample=False,
-            logits_processor=LogitsProcessorList([clock]),
-            pad_token_id=0,
-        )
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new, min_new_tokens=n_new,
+                       do_sample=False, logits_processor=LogitsProcessorList([clock]), pad_token_id=0)
     ttft = clock.times[0] - t0
-    decode = (len(clock.times) - 1) / (clock.times[-1] - clock.times[0])
-    return ttft, decode, len(clock.times)
+    return ttft, (len(clock.times) - 1) / (clock.times[-1] - clock.times[0]), len(clock.times)
 
 
 def run_llamacpp(llm, prompt_ids, n_new):
@@ -105,94 +117,172 @@ def run_llamacpp(llm, prompt_ids, n_new):
         times.append(time.perf_counter())
         if i + 1 >= n_new:
             break
-    ttft = times[0] - t0
-    return ttft, (len(times) - 1) / (times[-1] - times[0]), len(times)
+    return times[0] - t0, (len(times) - 1) / (times[-1] - times[0]), len(times)
+
+
+@torch.inference_mode()
+def step_breakdown(model, prompt_ids, steps: int = 32) -> dict[str, float]:
+    """Milliseconds per decode step by kind of work: verispec's matmul and attention
+    kernels timed by wrapping their calls, PyTorch's ops by torch.profiler (self CPU
+    time: norms, RoPE, residuals, casts, PyTorch's own matmuls and SDPA where the plan
+    uses them), sampling, and the rest: Python and dispatch (wall time minus all that)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from verispec.engine.sampling import SamplingParams, process_logits, sample
+    from verispec.models import decoder, linear
+    from verispec.models.decoder import BatchKV
+
+    timed = {"matmuls": 0.0, "attention": 0.0}
+    inner_linear = linear.linear_forward
+
+    def timed_linear(layer, x):
+        t = time.perf_counter()
+        y = inner_linear(layer, x)
+        timed["matmuls"] += time.perf_counter() - t
+        return y
+
+    inner_attend = decoder.Decoder._attend_row
+
+    def timed_attend(self, *a):
+        t = time.perf_counter()
+        y = inner_attend(self, *a)
+        timed["attention"] += time.perf_counter() - t
+        return y
+
+    cache = model.new_cache()
+    seq = cache.allocate(len(prompt_ids) + steps + 8)
+    out = model(torch.tensor(prompt_ids), BatchKV([seq], [len(prompt_ids)]))
+    params = [SamplingParams()]
+    token = sample(process_logits(out.logits, params), params, [None])
+    for _ in range(3):  # warm-up
+        model(token, BatchKV([seq], [1]))
+        seq.rollback(1)
+    def run(n):
+        nonlocal token
+        for _ in range(n):
+            out = model(token, BatchKV([seq], [1]))
+            token = sample(process_logits(out.logits, params), params, [None])
+            seq.rollback(1)
+
+    # wall time and verispec's kernels without the profiler (its per-op cost would count as
+    # dispatch), then PyTorch's ops under it, on the same steps
+    linear.linear_forward, decoder.Decoder._attend_row = timed_linear, timed_attend
+    try:
+        t0 = time.perf_counter()
+        run(steps)
+        wall = (time.perf_counter() - t0) / steps * 1000
+    finally:
+        linear.linear_forward, decoder.Decoder._attend_row = inner_linear, inner_attend
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run(steps)
+    ops = {"torch matmuls": ("linear", "mm", "addmm", "matmul", "_linear_pointwise"),
+           "torch attention": ("scaled_dot_product", "_flash_attention"),
+           "sampling": ("argmax", "softmax", "multinomial", "topk", "sort")}
+    totals = {"matmuls": timed["matmuls"] * 1000 / steps, "attention": timed["attention"] * 1000 / steps}
+    other = 0.0
+    for event in prof.key_averages():
+        name = event.key.lower()
+        ms = event.self_cpu_time_total / 1000 / steps
+        kind = next((k for k, needles in ops.items() if any(n in name for n in needles)), None)
+        if kind in ("torch matmuls", "torch attention"):
+            continue  # inside the wrapped calls, counted there
+        if kind == "sampling":
+            totals["sampling"] = totals.get("sampling", 0.0) + ms
+        elif name.startswith("aten::"):
+            other += ms
+    totals["norms, RoPE, residuals and other PyTorch ops"] = other
+    accounted = sum(totals.values())
+    return {**{k: round(v, 2) for k, v in totals.items()}, "python and dispatch": round(max(0.0, wall - accounted), 2),
+            "step (wall)": round(wall, 2)}
+
+
+def bench_model(name: str, args, bandwidth: float) -> dict:
+    from verispec.models.loader import load_for_serving, load_model
+    from verispec.models.registry import model_gguf_path
+    from verispec.models.tokenizer import encode_chat, encode_prompt, has_chat_template
+
+    engines, loaded = {}, {}
+    loaded["verispec"] = load_for_serving(name)
+    loaded["verispec bf16, PyTorch kernels"] = load_model(name, dtype=torch.bfloat16)
+    loaded["verispec bf16 invariant"] = load_model(name, dtype=torch.bfloat16, kernels="invariant", quant="none")
+    tokenizer = loaded["verispec"].tokenizer
+    chat = has_chat_template(tokenizer)
+    prompt_ids = encode_chat(tokenizer, [{"role": "user", "content": CHAT_PROMPT}]) if chat \
+        else encode_prompt(tokenizer, RAW_PROMPT)
+    for label, lm in loaded.items():
+        engines[label] = lambda lm=lm: run_ours(lm, prompt_ids, args.new_tokens)
+    bytes_of = {label: weight_bytes(lm.model, getattr(getattr(lm.model, "kernel_plan", None), "formats", None))
+                for label, lm in loaded.items()}
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(loaded["verispec"].folder), dtype=torch.bfloat16,
+                                                  attn_implementation="sdpa").eval()
+        engines["transformers bf16"] = lambda: run_hf(hf, prompt_ids, args.new_tokens)
+        bytes_of["transformers bf16"] = weight_bytes(loaded["verispec bf16, PyTorch kernels"].model)
+    gguf_label = None
+    if not args.skip_llamacpp:
+        try:
+            from llama_cpp import Llama
+
+            path = model_gguf_path(name)
+            gguf_label = "llama.cpp " + ("Q4_1" if "smollm2" in name else "Q4_K_M")
+            llm = Llama(str(path), n_threads=args.threads, n_ctx=1024, verbose=False)
+            engines[gguf_label] = lambda: run_llamacpp(llm, prompt_ids, args.new_tokens)
+            bytes_of[gguf_label] = path.stat().st_size  # every tensor of the file, near enough
+        except ImportError:
+            pass
+    for run in engines.values():  # warm-up: first-call allocations, kernel choices
+        run()
+    best: dict[str, tuple[float, float, int]] = {}
+    for _ in range(args.rounds):
+        for label, run in engines.items():
+            ttft, decode, n = run()
+            if label not in best or decode > best[label][1]:
+                best[label] = (ttft, decode, n)
+    peer = best.get(gguf_label)
+    plan = loaded["verispec"].model.kernel_plan
+    print(f"\n{name}: prompt {len(prompt_ids)} tokens, {args.new_tokens} new, greedy, {args.threads} threads, "
+          f"best of {args.rounds}; verispec = {str(loaded['verispec'].model.dtype).removeprefix('torch.')}, "
+          f"{plan.describe()}")
+    print(f"{'engine':<32} {'TTFT ms':>8} {'decode tok/s':>13} {'vs llama.cpp':>13} {'MB/token':>9} {'ceiling tok/s':>14} "
+          f"{'of ceiling':>10}")
+    rows = []
+    for label, (ttft, decode, _n) in best.items():
+        ceiling = bandwidth * 1e9 / bytes_of[label]
+        ratio = decode / peer[1] if peer else float("nan")
+        print(f"{label:<32} {ttft * 1000:8.0f} {decode:13.1f} {ratio:12.2f}x {bytes_of[label] / 1e6:9.0f} "
+              f"{ceiling:14.1f} {decode / ceiling:9.0%}")
+        rows.append({"engine": label, "ttft_ms": round(ttft * 1000, 1), "decode_tok_s": round(decode, 2),
+                     "vs_llamacpp": round(ratio, 3) if peer else None, "mb_per_token": round(bytes_of[label] / 1e6, 1),
+                     "ceiling_tok_s": round(ceiling, 1)})
+    result = {"model": name, "prompt_tokens": len(prompt_ids), "rows": rows, "plan": plan.linear,
+              "formats": plan.formats, "invariant": plan.invariant}
+    if args.profile:
+        breakdown = step_breakdown(loaded["verispec"].model, prompt_ids)
+        print("per decode step (ms): " + ", ".join(f"{k} {v}" for k, v in breakdown.items()))
+        result["step_breakdown_ms"] = breakdown
+    return result
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2-135m-instruct,gemma3-270m")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-llamacpp", action="store_true")
-    ap.add_argument("--skip-unpacked", action="store_true", help="skip our rows without oneDNN weight packing")
+    ap.add_argument("--profile", action="store_true", help="print verispec's per-step breakdown too")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from verispec.models.kernel_plan import cpu_name, cpu_flags
 
-    from verispec.models.loader import load_model
-    from verispec.models.registry import model_gguf_path
-    from verispec.models.tokenizer import encode_chat
-
-    engines = {}
-    fp32 = load_model("smollm2-135m-instruct", dtype=torch.float32)
-    bf16 = load_model("smollm2-135m-instruct", dtype=torch.bfloat16)
-    prompt_ids = encode_chat(fp32.tokenizer, [{"role": "user", "content": PROMPT}])
-    engines["verispec fp32"] = lambda: run_ours(fp32, prompt_ids, args.new_tokens)
-    engines["verispec bf16"] = lambda: run_ours(bf16, prompt_ids, args.new_tokens)
-    if not args.skip_unpacked:  # the same decoder on plain F.linear: what packing buys
-        fp32_plain = load_model("smollm2-135m-instruct", dtype=torch.float32, pack=False)
-        bf16_plain = load_model("smollm2-135m-instruct", dtype=torch.bfloat16, pack=False)
-        engines["verispec fp32 F.linear"] = lambda: run_ours(fp32_plain, prompt_ids, args.new_tokens)
-        engines["verispec bf16 F.linear"] = lambda: run_ours(bf16_plain, prompt_ids, args.new_tokens)
-    if not args.skip_hf:
-        from transformers import AutoModelForCausalLM
-
-        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            hf = AutoModelForCausalLM.from_pretrained(str(fp32.folder), dtype=dtype, attn_implementation="sdpa").eval()
-            engines[f"transformers {name}"] = lambda hf=hf: run_hf(hf, prompt_ids, args.new_tokens)
-    llamacpp_note = "not installed"
-    if not args.skip_llamacpp:
-        try:
-            from llama_cpp import Llama
-
-            llm = Llama(str(model_gguf_path("smollm2-135m-instruct")), n_threads=args.threads, n_ctx=1024, verbose=False)
-            engines["llama.cpp Q4_1"] = lambda: run_llamacpp(llm, prompt_ids, args.new_tokens)
-            llamacpp_note = "ok"
-        except ImportError:
-            pass
-
-    for run in engines.values():  # warm-up: first-call allocations, oneDNN kernel choice
-        run()
-    best: dict[str, tuple[float, float, int]] = {}
-    for _ in range(args.rounds):
-        for name, run in engines.items():
-            ttft, decode, n = run()
-            if name not in best or decode > best[name][1]:
-                best[name] = (ttft, decode, n)
-
-    bandwidth = measure_bandwidth(args.threads)
-    bytes_fp32 = weight_bytes_per_token(fp32.model.args, torch.float32)
-    bytes_bf16 = weight_bytes_per_token(bf16.model.args, torch.bfloat16)
-    ceiling = {"fp32": bandwidth * 1e9 / bytes_fp32, "bf16": bandwidth * 1e9 / bytes_bf16}
-
-    n_prompt = len(prompt_ids)
-    print(f"\nSmolLM2-135M-Instruct, prompt {n_prompt} tokens, {args.new_tokens} new, greedy, {args.threads} threads, best of {args.rounds}")
-    print(f"{'engine':<20} {'TTFT ms':>8} {'prefill tok/s':>14} {'decode tok/s':>13} {'vs transformers':>16}")
-    hf_best = max((v[1] for k, v in best.items() if k.startswith("transformers")), default=None)
-    rows = []
-    for name, (ttft, decode, n) in best.items():
-        ratio = decode / hf_best if hf_best else float("nan")
-        print(f"{name:<20} {ttft * 1000:8.0f} {n_prompt / ttft:14.0f} {decode:13.1f} {ratio:15.2f}x")
-        rows.append({"engine": name, "ttft_ms": round(ttft * 1000, 1), "prefill_tok_s": round(n_prompt / ttft, 1),
-                     "decode_tok_s": round(decode, 2), "vs_transformers": round(ratio, 3)})
-    print(f"bandwidth {bandwidth:.1f} GB/s; bytes/token fp32 {bytes_fp32 / 1e6:.0f} MB -> ceiling {ceiling['fp32']:.1f} tok/s; "
-          f"bf16 {bytes_bf16 / 1e6:.0f} MB -> ceiling {ceiling['bf16']:.1f} tok/s; llama.cpp: {llamacpp_note}")
-    ours_best = max(v[1] for k, v in best.items() if k.startswith("verispec"))
-    summary = {
-        "bench": "decode",
-        "model": "smollm2-135m-instruct",
-        "threads": args.threads,
-        "prompt_tokens": n_prompt,
-        "new_tokens": args.new_tokens,
-        "rows": rows,
-        "bandwidth_gb_s": round(bandwidth, 1),
-        "ceiling_tok_s": {k: round(v, 1) for k, v in ceiling.items()},
-        "ours_best_decode_tok_s": round(ours_best, 2),
-        "ours_vs_transformers_best": round(ours_best / hf_best, 3) if hf_best else None,
-        "target_ratio": 1.3,
-    }
-    print(json.dumps(summary))
+    bandwidth = measure_bandwidth()
+    print(f"CPU: {cpu_name()} ({', '.join(cpu_flags())}); read bandwidth {bandwidth:.1f} GB/s")
+    results = [bench_model(name, args, bandwidth) for name in args.models.split(",")]
+    print(json.dumps({"bench": "decode", "cpu": cpu_name(), "threads": args.threads, "new_tokens": args.new_tokens,
+                      "bandwidth_gb_s": round(bandwidth, 1), "models": results}))
 
 
 if __name__ == "__main__":

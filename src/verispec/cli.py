@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="weights dtype; auto = bfloat16 where the CPU/GPU runs it natively, else float32 (float32 is the exact reference)",
     )
     gen.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    from verispec.serve_cli import add_kernel_args
+
+    add_kernel_args(gen)
     gen.add_argument("--quiet-stats", action="store_true", help="do not print the closing stats line")
     _add_sampling_args(gen)
     _add_structured_args(gen)
@@ -140,6 +143,16 @@ def build_parser() -> argparse.ArgumentParser:
     from verispec.dspark_cli import add_dspark_parser
 
     add_dspark_parser(sub, argparse.RawDescriptionHelpFormatter)
+
+    prof = sub.add_parser("profile", help="show (or measure again) this machine's kernel choices for a model",
+                          description="The kernels verispec chose for each matrix of a model on this machine, with "
+                                      "their measured times at 1 row and a verify block, and where the choice is "
+                                      "cached. The first serve or generate measures them too.")
+    prof.add_argument("--model", "-m", default=None, help="model (default: smollm2-135m-instruct)")
+    prof.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    prof.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    prof.add_argument("--refresh", action="store_true", help="measure again instead of using the cached choice")
+    add_kernel_args(prof)
 
     sub.add_parser("models", help="list the embedded models and whether they are cached")
     pull = sub.add_parser("pull", help="fetch and convert an embedded model into the cache")
@@ -190,11 +203,41 @@ def _dispatch(args) -> int:
         from verispec.serve_cli import run_serve
 
         return run_serve(args)
+    if args.command == "profile":
+        return run_profile(args)
     if args.command == "dspark":
         from verispec.dspark_cli import run_dspark
 
         return run_dspark(args)
     raise UserError(f"unknown command {args.command!r}")
+
+
+def run_profile(args) -> int:
+    import torch
+
+    from verispec.models import kernel_plan
+    from verispec.models.config import from_hf_config, read_config
+    from verispec.models.loader import build_model, convert_state_dict, read_tensors, resolve_dtype
+    from verispec.models.registry import DEFAULT_MODEL, resolve_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    folder = resolve_model(args.model or DEFAULT_MODEL)
+    margs = from_hf_config(read_config(folder))
+    model = build_model(margs, convert_state_dict(margs, read_tensors(folder), torch.float32), torch.float32, pack=False)
+    model.ensure_lm()
+    dtypes = [torch.bfloat16, torch.float32] if args.dtype == "auto" else [resolve_dtype(args.dtype)]
+    plans = {d: kernel_plan.plan_for(model, d, args.quant, args.kernels, refresh=args.refresh, progress=True)
+             for d in dtypes}
+    chosen = min(plans, key=lambda d: plans[d].step_us)
+    print(f"{args.model or DEFAULT_MODEL} on {kernel_plan.cpu_name()} ({torch.get_num_threads()} threads, "
+          f"torch {torch.__version__})")
+    for dtype, plan in plans.items():
+        mark = " (chosen: --dtype auto)" if len(plans) > 1 and dtype == chosen else ""
+        print(f"\n{str(dtype).removeprefix('torch.')}{mark}: {plan.step_us / 1000:.2f} ms of kernels per decode + "
+              f"verify step; cached in {kernel_plan.profile_path(plan.key)}")
+        print(kernel_plan.format_plan(plan))
+    return 0
 
 
 if __name__ == "__main__":

@@ -122,7 +122,8 @@ def check_context(n_prompt: int, max_tokens: int, context: int) -> int:
 def run_generate(args) -> int:
     from verispec.engine.engine import Engine, EngineConfig
     from verispec.engine.request import GenerationRequest
-    from verispec.models.loader import load_model, resolve_dtype
+    from verispec.models.loader import load_for_serving
+    from verispec.serve_cli import drafter_dtype
     from verispec.models.registry import DEFAULT_MODEL
     from verispec.models.tokenizer import generation_defaults
     from verispec.drafting.factory import build_drafter, engine_options
@@ -134,14 +135,14 @@ def run_generate(args) -> int:
         raise UserError(f"--max-tokens must be positive, got {args.max_tokens}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(args.model or DEFAULT_MODEL, dtype=resolve_dtype(args.dtype))
+    loaded = load_for_serving(args.model or DEFAULT_MODEL, args.dtype, args.kernels, args.quant)
     params = sampling_params_from_args(args, generation_defaults(loaded.folder, loaded.name))
     prompt = build_prompt(args, loaded)
     max_new = check_context(len(prompt), args.max_tokens, loaded.model.args.max_position_embeddings)
     grammar = compile_grammar(constraint, loaded) if constraint is not None else None
 
     # the same engine as the server, driven inline for one request
-    drafter = build_drafter(loaded, args.speculate, args.draft_model, loaded.model.dtype, args.confidence_threshold,
+    drafter = build_drafter(loaded, args.speculate, args.draft_model, drafter_dtype(args.dtype), args.confidence_threshold,
                             args.no_draft)
     engine = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, EngineConfig(max_rows=1, **spec_options),
                     drafter=drafter)

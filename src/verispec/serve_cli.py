@@ -35,6 +35,18 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def add_kernel_args(p) -> None:
+    g = p.add_argument_group("kernels (chosen by measurement on this machine, cached: `verispec profile` shows them)")
+    g.add_argument("--kernels", choices=["auto", "invariant", "fastest", "onednn"], default="auto",
+                   help="auto: batch-invariant kernels when they cost <= 5%% more than the fastest (then speculation is "
+                        "token-identical to plain decoding in any dtype), else the fastest; invariant / fastest force "
+                        "either; onednn: PyTorch's kernels only")
+    g.add_argument("--quant", choices=["auto", "none", "q8_0", "q4_1"], default="auto",
+                   help="weight format: auto = per matrix the smallest format that reproduces the model's weights "
+                        "exactly (a GGUF's own q4_1 / q8_0 tensors), else the dtype; q8_0 / q4_1 quantize every "
+                        "matrix (a different, lossy model); none keeps the dtype")
+
+
 def add_serve_args(p) -> None:
     p.add_argument("--model", "-m", default=None, help="model name, folder, .gguf or hub id (default: smollm2-135m-instruct)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -44,7 +56,9 @@ def add_serve_args(p) -> None:
                         "an empty key is refused rather than read as no key)")
     p.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: the -m value)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                   help="weights dtype; auto = bfloat16 where the hardware runs it natively, else float32")
+                   help="activations (and unquantized weights) dtype; auto = the one whose kernel plan measures "
+                        "faster on this machine (verispec profile shows it)")
+    add_kernel_args(p)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     g = p.add_argument_group("batching and memory")
     g.add_argument("--kv-budget", type=_size_arg, default=None, metavar="SIZE",
@@ -69,7 +83,7 @@ def run_serve(args) -> int:
     import torch
 
     from verispec.engine.engine import Engine, EngineConfig
-    from verispec.models.loader import load_model, resolve_dtype
+    from verispec.models.loader import load_for_serving, resolve_dtype
     from verispec.models.registry import DEFAULT_MODEL, display_name
     from verispec.models.tokenizer import generation_defaults
     from verispec.server.app import ServerConfig, create_app
@@ -92,8 +106,8 @@ def run_serve(args) -> int:
         **engine_options(args),
     )
     model = args.model or DEFAULT_MODEL
-    loaded = load_model(model, dtype=resolve_dtype(args.dtype))
-    drafter = build_drafter(loaded, args.speculate, args.draft_model, loaded.model.dtype, args.confidence_threshold,
+    loaded = load_for_serving(model, args.dtype, args.kernels, args.quant)
+    drafter = build_drafter(loaded, args.speculate, args.draft_model, drafter_dtype(args.dtype), args.confidence_threshold,
                             args.no_draft)
     engine = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, config, drafter=drafter)
     name = args.served_model_name or display_name(model)
@@ -108,7 +122,7 @@ def run_serve(args) -> int:
     )
     app = create_app(engine, server_config, manage_engine=False)
     print(
-        f"verispec: serving {name!r} ({loaded.model.dtype}, context {engine.max_model_len}, KV budget "
+        f"verispec: serving {name!r} ({loaded.model.dtype}, {plan_summary(loaded)}, context {engine.max_model_len}, KV budget "
         f"{engine.kv_budget / 2**30:.2f} GiB, up to {config.max_rows} rows"
         + (f", speculation: {engine.drafting.provider.describe()}" if engine.drafting.active else "")
         + f") on http://{args.host}:{args.port}/v1"
@@ -118,6 +132,21 @@ def run_serve(args) -> int:
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     return serve_forever(engine, app, args.host, args.port, args.log_level)
+
+
+def plan_summary(loaded) -> str:
+    plan = getattr(loaded.model, "kernel_plan", None)
+    if plan is None:
+        return "PyTorch kernels"
+    formats = sorted(set(plan.formats.values()))
+    return f"weights {'/'.join(formats)}, {'batch-invariant' if plan.invariant else 'fastest'} kernels"
+
+
+def drafter_dtype(dtype: str):
+    """Drafters keep PyTorch's kernels: bfloat16 where the hardware runs it natively."""
+    from verispec.models.loader import resolve_dtype
+
+    return resolve_dtype(dtype)
 
 
 def serve_forever(engine, app, host: str, port: int, log_level: str) -> int:

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -528,6 +529,121 @@ void attend_one_scalar(const float* q, const float* K, const float* V, const boo
   for (int64_t d = 0; d < D; d++) out[d] *= inv;
 }
 
+
+// ---------------------------------------------------------------------------- VNNI, 4-interleaved
+//
+// The q4_1 / q8_0 kernels proper (the row-major ones above are the reference the tests
+// check these against, and the fallback without VNNI). Weights are repacked into tiles
+// of four columns, block by block, so one tile's block is one contiguous run:
+//   q4_1: [d0 d1 d2 d3][m0 m1 m2 m3] (fp16) [16 nibble bytes of column 0][c1][c2][c3] = 80 B
+//   q8_0: [d0 d1 d2 d3] (fp16) [32 int8 of column 0][c1][c2][c3]                 = 136 B
+// x is quantized per row and 32-block to int8 (quantize_rows). Per row and block, four
+// columns' integer dot products come out of two vpdpbusd (q4_1: low nibbles with x[0:16],
+// high with x[16:32], each x half broadcast to the four 128-bit lanes) into 16 int32
+// lanes, 4 per column; they are scaled by d_c * dx and accumulated in float (fma) into
+// 16 float lanes, in block order; the m terms (q4_1) into four float lanes. At the end each
+// column's 4 lanes are summed by a fixed tree ((l0 + l2) + (l1 + l3)), then its m sum and
+// bias are added. Every element's operations are the same whatever M is: batch-invariant.
+
+constexpr int Q4X4_BYTES = 80;
+constexpr int Q8X4_BYTES = 136;
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+inline __m128 col_sums(__m512 acc) {
+  // per column c (lanes 4c..4c+3): (l0 + l2) + (l1 + l3)
+  __m512 a = _mm512_add_ps(acc, _mm512_shuffle_ps(acc, acc, 0x4E));  // l0+l2, l1+l3, l2+l0, l3+l1
+  __m512 b = _mm512_add_ps(a, _mm512_shuffle_ps(a, a, 0xB1));         // (l0+l2)+(l1+l3) in every lane
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), b));
+}
+
+template <int FMT, int MT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+inline void qx4_tile(const QuantizedRows& xq, const uint8_t* w4, const float* bias, float* y, int64_t N, int64_t K,
+                     int64_t m0, int64_t n) {
+  const int64_t nb = K / BLOCK;
+  constexpr int TB = FMT == Q4_1 ? Q4X4_BYTES : Q8X4_BYTES;
+  const uint8_t* tile = w4 + (n / 4) * nb * TB;
+  __m512 acc[MT];
+  __m128 macc[MT];
+#pragma GCC unroll 8
+  for (int t = 0; t < MT; t++) { acc[t] = _mm512_setzero_ps(); macc[t] = _mm_setzero_ps(); }
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  for (int64_t blk = 0; blk < nb; blk++) {
+    const uint8_t* p = tile + blk * TB;
+    _mm_prefetch((const char*)(p + 2 * nb * TB), _MM_HINT_T0);
+    _mm_prefetch((const char*)(p + 2 * nb * TB + 64), _MM_HINT_T0);
+    // the four columns' d (and m), each repeated over its column's four lanes
+    __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)p));
+    __m512 dv = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                      _mm512_castps128_ps512(d4));
+    __m128 m4 = FMT == Q4_1 ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(p + 8))) : _mm_setzero_ps();
+    __m512i wlo, whi, wabs0, wabs1, wsgn0, wsgn1;
+    if constexpr (FMT == Q4_1) {
+      __m512i q = _mm512_loadu_si512((const void*)(p + 16));  // 4 columns x 16 nibble bytes
+      wlo = _mm512_and_si512(q, low4);
+      whi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+    } else {
+      wsgn0 = _mm512_loadu_si512((const void*)(p + 8));   // columns 0, 1: 32 int8 each
+      wsgn1 = _mm512_loadu_si512((const void*)(p + 72));  // columns 2, 3
+      wabs0 = _mm512_abs_epi8(wsgn0);
+      wabs1 = _mm512_abs_epi8(wsgn1);
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < MT; t++) {
+      const int64_t r = m0 + t;
+      const int8_t* xr = xq.q.data() + r * K + blk * BLOCK;
+      __m512i dot;
+      if constexpr (FMT == Q4_1) {
+        __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)xr));
+        __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xr + 16)));
+        dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo, xlo), whi, xhi);
+      } else {
+        // |w| x (x with w's sign): two columns per register, 8 lanes each
+        __m512i x2 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)xr));
+        __m512i xs0 = _mm512_mask_sub_epi8(x2, _mm512_movepi8_mask(wsgn0), _mm512_setzero_si512(), x2);
+        __m512i xs1 = _mm512_mask_sub_epi8(x2, _mm512_movepi8_mask(wsgn1), _mm512_setzero_si512(), x2);
+        __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs0, xs0);  // c0: lanes 0-7, c1: 8-15
+        __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs1, xs1);
+        // 8 lanes per column -> 4: pairs of lanes, exact in integers
+        __m512i p0 = _mm512_add_epi32(d0, _mm512_shuffle_epi32(d0, (_MM_PERM_ENUM)0x4E));
+        __m512i p1 = _mm512_add_epi32(d1, _mm512_shuffle_epi32(d1, (_MM_PERM_ENUM)0x4E));
+        // gather: lanes 0-3 <- c0 (p0 lanes 0,1,4,5), 4-7 <- c1 (p0 8,9,12,13), 8-11 <- c2, 12-15 <- c3
+        __m512i idx = _mm512_set_epi32(29, 28, 25, 24, 21, 20, 17, 16, 13, 12, 9, 8, 5, 4, 1, 0);
+        dot = _mm512_permutex2var_epi32(p0, idx, p1);
+      }
+      const float dx = xq.scale[r * nb + blk];
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, _mm512_set1_ps(dx)), acc[t]);
+      if constexpr (FMT == Q4_1) macc[t] = _mm_fmadd_ps(m4, _mm_set1_ps(xq.qsum[r * nb + blk]), macc[t]);
+    }
+  }
+  const bool full = n + 4 <= N;
+  const __m128 bv = bias && full ? _mm_loadu_ps(bias + n) : _mm_setzero_ps();
+  for (int t = 0; t < MT; t++) {
+    __m128 r = _mm_add_ps(_mm_add_ps(col_sums(acc[t]), macc[t]), bv);
+    float* yr = y + (m0 + t) * N + n;
+    if (full) {
+      _mm_storeu_ps(yr, r);
+    } else {
+      float tmp[4];
+      _mm_storeu_ps(tmp, r);
+      for (int c = 0; c < 4 && n + c < N; c++) yr[c] = tmp[c] + (bias ? bias[n + c] : 0.0f);
+    }
+  }
+}
+
+template <int FMT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+void kernel_qx4(const QuantizedRows& xq, const uint8_t* w4, const float* bias, float* y, int64_t M, int64_t N,
+                int64_t K, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; n += 4) {
+    int64_t m0 = 0;
+    for (; M - m0 >= 8; m0 += 8) qx4_tile<FMT, 8>(xq, w4, bias, y, N, K, m0, n);
+    for (; M - m0 >= 4; m0 += 4) qx4_tile<FMT, 4>(xq, w4, bias, y, N, K, m0, n);
+    for (; M - m0 >= 2; m0 += 2) qx4_tile<FMT, 2>(xq, w4, bias, y, N, K, m0, n);
+    for (; m0 < M; m0++) qx4_tile<FMT, 1>(xq, w4, bias, y, N, K, m0, n);
+  }
+}
+
 // ---------------------------------------------------------------------------- AVX2
 
 __attribute__((target("avx2,fma,f16c")))
@@ -766,16 +882,44 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
 
 // q [n, H, D], k and v [G, S, D] float32 (G KV heads, H a multiple of G), mask [n, S]
 // bool (true = attend) or undefined (every key); returns [n, H, D] float32
-torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
-                        double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q [n, H, D], k and v [G, S, D]");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
-              v.scalar_type() == torch::kFloat32, "attention runs in float32");
+// x float32 [M, K]; w the 4-interleaved q4_1 / q8_0 tiles (N rounded up to 4)
+torch::Tensor qlinear4(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t fmt, int64_t N) {
+  TORCH_CHECK(has_vnni(), "this CPU has no AVX-512 VNNI");
+  TORCH_CHECK(fmt == Q4_1 || fmt == Q8_0, "qlinear4 reads q4_1 and q8_0 tiles");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), nb = K / BLOCK;
+  TORCH_CHECK(K % BLOCK == 0, "K must be a multiple of 32");
+  const int64_t n_pad = (N + 3) / 4 * 4;
+  const int64_t tb = fmt == Q4_1 ? Q4X4_BYTES : Q8X4_BYTES;
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == n_pad / 4 * nb * tb,
+              "w must hold the 4-interleaved tiles");
+  const float* bptr = nullptr;
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(torch::kFloat32).contiguous();
+    bptr = b.data_ptr<float>();
+  }
+  QuantizedRows xq;
+  quantize_rows(x.data_ptr<float>(), M, K, xq);
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(4, n_pad / 4 / (4 * std::max(1, at::get_num_threads())));
+  at::parallel_for(0, n_pad / 4, grain, [&](int64_t t0, int64_t t1) {
+    if (fmt == Q4_1) kernel_qx4<Q4_1>(xq, wp, bptr, yp, M, N, K, t0 * 4, t1 * 4);
+    else kernel_qx4<Q8_0>(xq, wp, bptr, yp, M, N, K, t0 * 4, t1 * 4);
+  });
+  return y;
+}
+
+// attention over the first S keys of caches holding `stride` slots per KV head
+torch::Tensor attention_strided(torch::Tensor q, const float* kp, const float* vp, int64_t G, int64_t S, int64_t stride,
+                                int64_t D, c10::optional<torch::Tensor> mask, double scale) {
   q = q.contiguous();
-  k = k.contiguous();
-  v = v.contiguous();
-  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), G = k.size(0), S = k.size(1);
-  TORCH_CHECK(k.size(2) == D && v.size(0) == G && v.size(1) == S && v.size(2) == D && H % G == 0, "shape mismatch");
+  const int64_t n = q.size(0), H = q.size(1);
+  TORCH_CHECK(q.size(2) == D && H % G == 0, "shape mismatch");
+  TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16");
   const bool* mp = nullptr;
   torch::Tensor mk;
   if (mask.has_value() && mask->defined()) {
@@ -785,10 +929,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   }
   auto out = torch::empty({n, H, D}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16");
   const bool wide = best_isa() == AVX512;
   const int64_t per_group = H / G;
   at::parallel_for(0, n * H, 1, [&](int64_t a, int64_t b) {
@@ -798,8 +939,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
       const float* qi = qp + (i * H + h) * D;
       const bool* allow = mp ? mp + i * S : nullptr;
       float* oi = op + (i * H + h) * D;
-      const float* kg = kp + g * S * D;
-      const float* vg = vp + g * S * D;
+      const float* kg = kp + g * stride * D;
+      const float* vg = vp + g * stride * D;
       if (wide && D == 64) attend_one_512<4>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
       else if (wide && D == 128) attend_one_512<8>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
       else if (wide && D == 256) attend_one_512<16>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
@@ -807,6 +948,136 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
     }
   });
   return out;
+}
+
+// q [n, H, D], k and v [G, S, D] float32 (G KV heads, H a multiple of G), mask [n, S]
+// bool (true = attend) or undefined (every key); returns [n, H, D] float32
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
+                        double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q [n, H, D], k and v [G, S, D]");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
+              v.scalar_type() == torch::kFloat32, "attention runs in float32");
+  k = k.contiguous();
+  v = v.contiguous();
+  TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == q.size(2), "shape mismatch");
+  return attention_strided(q, k.data_ptr<float>(), v.data_ptr<float>(), k.size(0), k.size(1), k.size(1), k.size(2),
+                           mask, scale);
+}
+
+// ---------------------------------------------------------------------------- decode-step helpers
+//
+// Small fused steps of a decoder layer, each replacing several PyTorch ops (a decode step
+// of a 135M model issues ~600 of them, ~5 us of dispatch each): RoPE in place, SiLU(gate)
+// * up, and writing a row's new K/V into its cache together with its attention. All are
+// per-row and per-element, so batch-invariant; attention is `attention` above.
+
+template <typename T>
+inline float load_f(const T* p, int64_t i) {
+  if constexpr (std::is_same_v<T, float>) return p[i];
+  else { uint32_t b = (uint32_t)((const uint16_t*)p)[i] << 16; float f; std::memcpy(&f, &b, 4); return f; }
+}
+
+template <typename T>
+inline void store_f(T* p, int64_t i, float v) {
+  if constexpr (std::is_same_v<T, float>) p[i] = v;
+  else ((uint16_t*)p)[i] = float_to_bf16_rne(v);
+}
+
+// x [n, heads, D] in place: x * cos + rotate_half(x) * sin (sin carries rotate_half's sign:
+// models/decoder.py RotaryTable), cos / sin [n, D]; each product and the sum in float32,
+// rounded once to x's dtype
+template <typename T>
+void rope_impl(T* x, const T* cos, const T* sin, int64_t n, int64_t heads, int64_t D) {
+  const int64_t half = D / 2;
+  std::vector<float> row(D);
+  for (int64_t i = 0; i < n; i++)
+    for (int64_t h = 0; h < heads; h++) {
+      T* xr = x + (i * heads + h) * D;
+      for (int64_t d = 0; d < D; d++) row[d] = load_f(xr, d);
+      for (int64_t d = 0; d < D; d++) {
+        const float rot = row[(d + half) % D];
+        store_f(xr, d, std::fma(rot, load_f(sin, i * D + d), row[d] * load_f(cos, i * D + d)));
+      }
+    }
+}
+
+// the first `heads` heads of every row of qkv [n, row] (q and k; v left alone), in place
+void rope_qk_(torch::Tensor qkv, int64_t heads, int64_t D, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= heads * D, "qkv must be [n, row], rows contiguous");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "dtype mismatch");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  const int64_t n = qkv.size(0), row = qkv.stride(0);
+  for (int64_t i = 0; i < n; i++) {
+    if (qkv.scalar_type() == torch::kFloat32)
+      rope_impl<float>(qkv.data_ptr<float>() + i * row, cos.data_ptr<float>() + i * D, sin.data_ptr<float>() + i * D, 1,
+                       heads, D);
+    else if (qkv.scalar_type() == torch::kBFloat16)
+      rope_impl<uint16_t>((uint16_t*)qkv.data_ptr() + i * row, (const uint16_t*)cos.data_ptr() + i * D,
+                          (const uint16_t*)sin.data_ptr() + i * D, 1, heads, D);
+    else TORCH_CHECK(false, "rope runs in float32 or bfloat16");
+  }
+}
+
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 3, "x must be a contiguous [n, heads, D] tensor");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), "dtype mismatch");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  const int64_t n = x.size(0), heads = x.size(1), D = x.size(2);
+  if (x.scalar_type() == torch::kFloat32)
+    rope_impl<float>(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), n, heads, D);
+  else if (x.scalar_type() == torch::kBFloat16)
+    rope_impl<uint16_t>((uint16_t*)x.data_ptr(), (const uint16_t*)cos.data_ptr(), (const uint16_t*)sin.data_ptr(), n,
+                        heads, D);
+  else TORCH_CHECK(false, "rope_ runs in float32 or bfloat16");
+}
+
+// gate_up [n, 2I] -> silu(gate) * up [n, I], in float32, rounded once
+template <typename T>
+void silu_mul_impl(const T* gu, T* out, int64_t n, int64_t I) {
+  for (int64_t i = 0; i < n; i++)
+    for (int64_t j = 0; j < I; j++) {
+      const float g = load_f(gu, i * 2 * I + j), u = load_f(gu, i * 2 * I + I + j);
+      store_f(out, i * I + j, g / (1.0f + exp_poly(-g)) * u);
+    }
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [n, 2I]");
+  gate_up = gate_up.contiguous();
+  const int64_t n = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({n, I}, gate_up.options());
+  if (gate_up.scalar_type() == torch::kFloat32) silu_mul_impl<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), n, I);
+  else if (gate_up.scalar_type() == torch::kBFloat16)
+    silu_mul_impl<uint16_t>((const uint16_t*)gate_up.data_ptr(), (uint16_t*)out.data_ptr(), n, I);
+  else TORCH_CHECK(false, "silu_mul runs in float32 or bfloat16");
+  return out;
+}
+
+// One row's new K/V (k_new, v_new [n, G, D]) into its cache (cache_k, cache_v [G, S, D], slot
+// of position p = p % S: a linear cache is never wrapped, a sliding ring wraps), then its
+// attention over slots [0, n_view) with `mask` ([n, n_view] or undefined), all float32
+torch::Tensor attend_cached(torch::Tensor q, torch::Tensor k_new, torch::Tensor v_new, torch::Tensor cache_k,
+                            torch::Tensor cache_v, int64_t start, int64_t n_view, c10::optional<torch::Tensor> mask,
+                            double scale) {
+  TORCH_CHECK(cache_k.is_contiguous() && cache_v.is_contiguous(), "caches must be contiguous");
+  const int64_t n = k_new.size(0), G = k_new.size(1), D = k_new.size(2), S = cache_k.size(1);
+  k_new = k_new.to(torch::kFloat32).contiguous();
+  v_new = v_new.to(torch::kFloat32).contiguous();
+  float* ck = cache_k.data_ptr<float>();
+  float* cv = cache_v.data_ptr<float>();
+  const float* kn = k_new.data_ptr<float>();
+  const float* vn = v_new.data_ptr<float>();
+  for (int64_t i = 0; i < n; i++) {
+    const int64_t slot = (start + i) % S;
+    for (int64_t g = 0; g < G; g++) {
+      std::memcpy(ck + (g * S + slot) * D, kn + (i * G + g) * D, D * 4);
+      std::memcpy(cv + (g * S + slot) * D, vn + (i * G + g) * D, D * 4);
+    }
+  }
+  TORCH_CHECK(n_view <= S, "n_view beyond the cache");
+  return attention_strided(q.to(torch::kFloat32), ck, cv, G, n_view, S, D, mask, scale);
 }
 
 int64_t isa() { return best_isa(); }
@@ -818,6 +1089,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the ISA the float kernels dispatch to: 0 scalar, 1 avx2, 2 avx512");
   m.def("vnni", &vnni, "whether the int8-activation VNNI kernel runs here");
   m.def("bf16_linear", &bf16_linear, "bf16 x bf16 linear with float32 sums (AVX512-BF16, batch-invariant)");
+  m.def("qlinear4", &qlinear4, "q4_1 / q8_0 tiles x int8 activations (VNNI, batch-invariant)");
+  m.def("rope_", &rope_, "RoPE in place (float32 / bfloat16)");
+  m.def("rope_qk_", &rope_qk_, "RoPE in place on the q and k heads of fused qkv rows");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up output");
+  m.def("attend_cached", &attend_cached, "write a row's K/V into its cache, then attend (float32)");
   m.def("attention", &attention, "attention computed per (query, head), batch-invariant");
   m.def("bf16dot", &bf16dot, "whether the AVX512-BF16 kernel runs here");
 }

@@ -130,6 +130,7 @@ class Decoder(nn.Module):
         self._ropes: dict[int | None, RotaryTable] = {}
         self.lm: Linear | None = None  # the lm_head's kernel, once prepare() chose one
         self.attention_kernel = "sdpa"  # or "invariant": verispec's per-query kernel (kernels/qlinear.cpp)
+        self._fused = None  # with it, verispec's fused RoPE, SiLU * up and cache-write + attention
         self._act = F.silu if args.activation == "silu" else (lambda x: F.gelu(x, approximate="tanh"))
         self._scale = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
 
@@ -196,23 +197,46 @@ class Decoder(nn.Module):
             roles["lm_head"].append(self.lm)
         return roles
 
-    def prepare(self, linear: dict[str, str], attention: str = "sdpa") -> bool:
-        """Give every matrix its role's kernel (models/kernel_plan.py chooses them) and the
-        attention its kernel; a kernel that cannot run leaves that matrix on F.linear.
-        True when every matrix got the kernel asked for."""
-        if self.lm is None:
-            weight = self.lm_weight()
-            self.lm = Linear(weight.shape[1], weight.shape[0])
-            self.lm.weight = nn.Parameter(weight, requires_grad=False)
+    def prepare(self, linear: dict[str, str], attention: str = "sdpa", roles=None) -> bool:
+        """Give every matrix (of `roles`, default all) its role's kernel (models/kernel_plan.py
+        chooses them) and the attention its kernel; a kernel that cannot run leaves that
+        matrix on F.linear. True when every matrix got the kernel asked for."""
+        self.ensure_lm()
         ok = True
         for role, layers in self.linears().items():
+            if roles is not None and role not in roles:
+                continue
             for layer in layers:
                 if layer.kernel == "aten" and layer.weight.numel():
                     ok = layer.use(linear.get(role, "aten")) and ok
         if self.lm.kernel != "aten" and self.lm_head is not None:
             self.lm_head = nn.Parameter(torch.empty(0, dtype=self.dtype), requires_grad=False)  # kept by the kernel
         self.attention_kernel = attention
+        self._fused = None
+        if attention == "invariant":
+            from verispec import kernels
+
+            self._fused = kernels.load()  # the decode-step helpers of kernels/qlinear.cpp
         return ok
+
+    def ensure_lm(self) -> Linear:
+        """The lm_head as a Linear (sharing a tied embedding's tensor until a kernel takes it)."""
+        if self.lm is None:
+            weight = self.lm_weight()
+            self.lm = Linear(weight.shape[1], weight.shape[0])
+            self.lm.weight = nn.Parameter(weight, requires_grad=False)
+        return self.lm
+
+    def cast(self, dtype: torch.dtype) -> None:
+        """Cast the parameters no kernel has taken yet to `dtype` (gemma's norm weights
+        stay float32: its norms multiply there, models/loader.py)."""
+        for name, p in self.named_parameters():
+            if not p.numel() or p.dtype == dtype:
+                continue
+            if self.args.norm_offset and "norm" in name:
+                continue
+            p.data = p.data.to(dtype)
+        self._ropes.clear()
 
     def _lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.lm is not None:
@@ -257,17 +281,23 @@ class Decoder(nn.Module):
 
     def _layer(self, layer: DecoderLayer, h, batch: BatchKV, plans, rope, index: int) -> torch.Tensor:
         args = self.args
+        fused = self._fused
         x = self._norm(h, layer.attn_norm)
         qkv = layer.qkv(x)
         n_tok = qkv.shape[0]
         D = args.head_dim
-        qk = qkv[:, : layer.n_q + layer.n_kv].view(n_tok, -1, D)
+        heads_qk = args.num_heads + args.num_kv_heads
+        if fused is not None and not args.qk_norm:  # RoPE in place on the q and k heads, one op
+            fused.rope_qk_(qkv, heads_qk, D, rope[0].view(n_tok, D), rope[1].view(n_tok, D))
+            qk = qkv[:, : layer.n_q + layer.n_kv].view(n_tok, -1, D)
+        else:
+            qk = qkv[:, : layer.n_q + layer.n_kv].view(n_tok, -1, D)
+            if args.qk_norm:
+                qk = self._norm(qk, layer.qk_norm)
+            qk = apply_rope(qk, *rope)
         v = qkv[:, layer.n_q + layer.n_kv :].view(n_tok, args.num_kv_heads, D)
-        if args.qk_norm:
-            qk = self._norm(qk, layer.qk_norm)
-        qk = apply_rope(qk, *rope)
         kv_dtype = batch.seqs[0].cache.dtype
-        if kv_dtype != qk.dtype:  # bf16 weights, float32 cache (kv_dtype()): cast once per layer
+        if kv_dtype != qk.dtype and fused is None:  # bf16 weights, float32 cache (kv_dtype()): cast once per layer
             qk, v = qk.to(kv_dtype), v.to(kv_dtype)
         q, k = qk[:, : args.num_heads], qk[:, args.num_heads :]
         attn = self._attention(q, k, v, batch, plans, layer.window, index)
@@ -276,8 +306,11 @@ class Decoder(nn.Module):
             out = self._norm(out, layer.post_attn_norm)
         h = h + out
         x = self._norm(h, layer.mlp_norm)
-        gate, up = layer.gate_up(x).chunk(2, dim=-1)
-        out = layer.down(self._act(gate) * up)
+        if fused is not None and args.activation == "silu":
+            out = layer.down(fused.silu_mul(layer.gate_up(x)))
+        else:
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            out = layer.down(self._act(gate) * up)
         if args.sandwich_norms:
             out = self._norm(out, layer.post_mlp_norm)
         return h + out
@@ -298,6 +331,9 @@ class Decoder(nn.Module):
 
     def _attend_row(self, q, k_new, v_new, seq: SequenceKV, plan: KeyPlan, index: int) -> torch.Tensor:
         cache_k, cache_v = seq.keys[index], seq.values[index]
+        if self._fused is not None and plan.gather is None:  # write + attend in one op
+            return self._fused.attend_cached(q, k_new, v_new, cache_k, cache_v, seq.length, plan.n_view, plan.mask,
+                                             self._scale).to(self.dtype)
         k_new, v_new = k_new.transpose(0, 1), v_new.transpose(0, 1)  # [kv_heads, n, D]
         if plan.gather is None:
             cache_k[:, plan.write] = k_new

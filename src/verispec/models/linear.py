@@ -94,6 +94,7 @@ class Linear(nn.Module):
         self.blocks: torch.Tensor | None = None  # uint8 rows for verispec's kernels
         self._fmt = -1
         self._isa = -1
+        self._call = None  # verispec's kernels: the bound call (linear_forward)
 
     def use(self, kernel: str) -> bool:
         """Switch to `kernel` (False, and unchanged, where it cannot run). The dense weight
@@ -110,16 +111,22 @@ class Linear(nn.Module):
             self.packed, self.chunk = packed, int(chunk or 0)
         else:
             from verispec import kernels
-            from verispec.models.quant import interleave4, quantize
+            from verispec.models.quant import interleave4, interleave4_blocks, quantize
 
             if not kernel_runs(base, dense.dtype):
                 return False
             fmt = "bf16" if base == "bf16dot" else base.removesuffix("-vnni")
-            self.blocks = interleave4(dense) if base == "bf16dot" else quantize(dense, fmt)
+            if base == "bf16dot":
+                self.blocks = interleave4(dense)
+            elif base.endswith("-vnni"):
+                self.blocks = interleave4_blocks(quantize(dense, fmt), fmt)
+            else:
+                self.blocks = quantize(dense, fmt)
             self._fmt = kernels.FORMATS[fmt]
             self._isa = 3 if base.endswith("-vnni") else -1
         self.kernel = base if base != "onednn" or not chunk else kernel
         self._dtype = dense.dtype
+        self._call = _kernel_call(self) if self.blocks is not None else None
         self.weight = nn.Parameter(torch.empty(0, dtype=dense.dtype), requires_grad=False)
         return True
 
@@ -132,17 +139,34 @@ class Linear(nn.Module):
 
 
 def linear_forward(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    call = layer._call
+    if call is not None:
+        return call(x)
     kernel = layer.kernel
     if kernel == "aten":
         return F.linear(x, layer.weight, layer.bias)
-    if layer.packed is not None:
-        c = layer.chunk
-        if not c or x.shape[0] <= c:
-            return packed_linear(x, layer.packed, layer.bias)
-        return torch.cat([packed_linear(x[i : i + c], layer.packed, layer.bias) for i in range(0, x.shape[0], c)])
+    c = layer.chunk
+    if not c or x.shape[0] <= c:
+        return packed_linear(x, layer.packed, layer.bias)
+    return torch.cat([packed_linear(x[i : i + c], layer.packed, layer.bias) for i in range(0, x.shape[0], c)])
+
+
+def _kernel_call(layer: Linear):
+    """verispec's kernel for this layer as one closure (no per-call lookups)."""
     from verispec import kernels
 
     mod = kernels.load()
-    if kernel == "bf16dot":
-        return mod.bf16_linear(x, layer.blocks, layer.bias, layer.out_features, False).to(x.dtype)
-    return mod.qlinear(x.float(), layer.blocks, layer.bias, layer._fmt, layer.out_features, layer._isa).to(x.dtype)
+    blocks, bias, n, fmt = layer.blocks, layer.bias, layer.out_features, layer._fmt
+    if layer.kernel == "bf16dot":
+        fn = mod.bf16_linear
+        return lambda x: fn(x, blocks, bias, n, False)
+    if layer._isa == 3:
+        fn = mod.qlinear4
+
+        def vnni(x):
+            y = fn(x if x.dtype == torch.float32 else x.float(), blocks, bias, fmt, n)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+        return vnni
+    fn, isa = mod.qlinear, layer._isa
+    return lambda x: fn(x.float(), blocks, bias, fmt, n, isa).to(x.dtype)

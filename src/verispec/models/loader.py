@@ -127,11 +127,39 @@ def build_model(
     return model
 
 
-def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu", pack: bool = True) -> Decoder:
+def load_folder(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu", pack: bool = True,
+                kernels: str | None = None, quant: str = "auto", progress: bool = False) -> Decoder:
+    """`kernels` None: PyTorch's kernels (oneDNN-packed with `pack`), as the tests and the
+    drafters use; else a kernel plan mode (models/kernel_plan.py: measured once per machine
+    and cached), with `quant` its weight formats."""
     folder = Path(folder)
     args = from_hf_config(read_config(folder))
-    state = convert_state_dict(args, read_tensors(folder), dtype)
-    return build_model(args, state, dtype, device, pack)
+    if kernels is None or torch.device(device).type != "cpu":
+        state = convert_state_dict(args, read_tensors(folder), dtype)
+        return build_model(args, state, dtype, device, pack)
+    # float32 first: lossless quantization is judged, and quantized weights made, from it
+    state = convert_state_dict(args, read_tensors(folder), torch.float32)
+    model = build_model(args, state, torch.float32, device, pack=False)
+    apply_plan(model, plan_model(model, dtype, quant, kernels, progress), dtype)
+    return model
+
+
+def plan_model(model: Decoder, dtype: torch.dtype, quant: str, kernels: str, progress: bool = False):
+    from verispec.models.kernel_plan import plan_for
+
+    model.ensure_lm()
+    return plan_for(model, dtype, quant, kernels, progress=progress)
+
+
+def apply_plan(model: Decoder, plan, dtype: torch.dtype) -> None:
+    """Quantized roles take their weights from float32, then the rest is cast to `dtype`
+    and takes its kernels."""
+    quantized = {role for role, kernel in plan.linear.items() if kernel.startswith(("q8_0", "q4_1"))}
+    model.prepare(plan.linear, plan.attention, roles=quantized)
+    model.cast(dtype)
+    model.prepare(plan.linear, plan.attention)
+    model.kernel_plan = plan
+    release_freed_memory()
 
 
 @dataclass
@@ -146,14 +174,16 @@ class LoadedModel:
 
 
 def load_model(
-    name: str, dtype: torch.dtype = torch.float32, device="cpu", progress: bool = True, pack: bool = True
+    name: str, dtype: torch.dtype = torch.float32, device="cpu", progress: bool = True, pack: bool = True,
+    kernels: str | None = None, quant: str = "auto",
 ) -> LoadedModel:
-    """Registry name, HF folder, .gguf file or hub id -> LoadedModel."""
+    """Registry name, HF folder, .gguf file or hub id -> LoadedModel (`kernels`, `quant`:
+    load_folder)."""
     from verispec.models.registry import resolve_model
     from verispec.models.tokenizer import load_tokenizer, stop_token_ids
 
     folder = resolve_model(name, progress=progress)
-    model = load_folder(folder, dtype=dtype, device=device, pack=pack)
+    model = load_folder(folder, dtype=dtype, device=device, pack=pack, kernels=kernels, quant=quant, progress=progress)
     release_freed_memory()
     tokenizer = load_tokenizer(folder)
     return LoadedModel(model, tokenizer, folder, stop_token_ids(folder, tokenizer), name)
@@ -174,6 +204,33 @@ def release_freed_memory() -> None:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_for_serving(name: str, dtype: str = "auto", kernels: str = "auto", quant: str = "auto",
+                     progress: bool = True) -> LoadedModel:
+    """What `verispec serve` / `generate` load: the kernel plan measured for this machine
+    (models/kernel_plan.py). `dtype="auto"` on a CPU is the dtype whose plan measures
+    faster (both plans are cached); elsewhere resolve_dtype's rule."""
+    if dtype == "auto" and torch.cuda.is_available():
+        return load_model(name, dtype=resolve_dtype("auto", "cuda"), device="cuda", progress=progress)
+    if dtype != "auto":
+        return load_model(name, dtype=resolve_dtype(dtype), progress=progress, kernels=kernels, quant=quant)
+    from verispec.models.kernel_plan import plan_for
+    from verispec.models.registry import resolve_model
+
+    folder = resolve_model(name, progress=progress)
+    args = from_hf_config(read_config(folder))
+    model = build_model(args, convert_state_dict(args, read_tensors(folder), torch.float32), torch.float32, pack=False)
+    model.ensure_lm()
+    plans = {}
+    for candidate in (torch.bfloat16, torch.float32):
+        plans[candidate] = plan_for(model, candidate, quant, kernels, progress=progress)
+    chosen = min(plans, key=lambda d: plans[d].step_us)
+    apply_plan(model, plans[chosen], chosen)
+    from verispec.models.tokenizer import load_tokenizer, stop_token_ids
+
+    tokenizer = load_tokenizer(folder)
+    return LoadedModel(model, tokenizer, folder, stop_token_ids(folder, tokenizer), name)
 
 
 def resolve_dtype(name: str, device: str | torch.device = "cpu") -> torch.dtype:

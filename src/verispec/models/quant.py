@@ -106,3 +106,22 @@ def dequantize(blocks: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
     else:
         raise ValueError(f"unknown weight format {fmt!r}")
     return torch.from_numpy(w.reshape(n, k))
+
+
+def interleave4_blocks(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """[N, row_bytes] q4_1 / q8_0 rows -> the VNNI kernel's tiles of four columns, block by
+    block: q4_1 [4 x d][4 x m][4 x 16 nibble bytes], q8_0 [4 x d][4 x 32 int8] (N padded
+    with zero rows to a multiple of 4)."""
+    n = blocks.shape[0]
+    size = FORMAT_BYTES[fmt]
+    pad = (-n) % 4
+    b = blocks.cpu().numpy().reshape(n, -1, size)
+    if pad:
+        b = np.concatenate([b, np.zeros((pad, b.shape[1], size), dtype=np.uint8)])
+    t = b.reshape(-1, 4, b.shape[1], size).transpose(0, 2, 1, 3)  # [tiles, blocks, 4 columns, block bytes]
+    if fmt == "q4_1":
+        out = np.concatenate([t[..., 0:2].reshape(*t.shape[:2], 8), t[..., 2:4].reshape(*t.shape[:2], 8),
+                              t[..., 4:].reshape(*t.shape[:2], 64)], axis=-1)
+    else:
+        out = np.concatenate([t[..., 0:2].reshape(*t.shape[:2], 8), t[..., 2:].reshape(*t.shape[:2], 128)], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(out)).reshape(-1)

@@ -1,0 +1,338 @@
+"""Which kernel computes each matrix and the attention: chosen by measurement, per machine.
+
+At the first start for a (model shapes, dtype, quantization, CPU, torch, threads) the
+candidates of every matrix role (qkv, o_proj, gate_up, down, lm_head; models/linear.py
+lists the kernels) are timed at the row counts the engine issues, 1 (a decode step) and
+a verify block (`VERIFY_ROWS`), on as many copies of the weight as it takes to read it
+from memory rather than from cache, as a decode step does; the attention kernels
+likewise. The choice is cached as JSON in `<cache>/profiles/` and reused until
+something in that key changes (`verispec profile --refresh` measures again).
+
+What is chosen:
+
+* **Quantization** (`quant="auto"`, the default): per role, the smallest weight format
+  (q4_1, then q8_0) that reproduces the model's float32 weights *exactly*: a GGUF's own
+  q4_1 / q8_0 tensors requantize to the same bytes (SmolLM2-135M: every layer q4_1, the
+  tied lm_head q8_0), so those kernels compute the source model itself, in fewer bytes.
+  Roles no format reproduces stay in the model's dtype. `quant="q8_0"` / `"q4_1"`
+  quantize every role (a lossy, different model: bench/quant_quality.py measures the
+  perplexity); `quant="none"` keeps the dtype everywhere.
+* **Kernels**: per role the fastest candidate by t(1 row) + t(verify rows). In
+  `mode="auto"` only batch-invariant kernels (verispec's own) are candidates when the
+  best invariant plan costs at most `INVARIANCE_BUDGET` (5%) more than the best plan of
+  any kernels; then a row's logits do not depend on what else is in the forward, and
+  speculative decoding is token-identical to plain decoding in this dtype.
+  `mode="invariant"` / `"fastest"` force either; `"onednn"` is the PyTorch-only plan
+  (oneDNN-packed weights, SDPA attention), what a machine without a C++ compiler gets.
+* **dtype** (`choose_dtype`): bfloat16 or float32, whichever plan measures faster.
+
+Checked by tests/test_kernel_plan.py (a plan is cached and reused, invalidated by its key;
+forced modes; lossless quantization found exactly where it exists) and, end to end, by
+tests/test_invariance.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from verispec.models.linear import Linear, kernel_runs
+
+PLAN_VERSION = 2
+VERIFY_ROWS = 9  # a verify block: 8 drafts + the pending token (the engine's default)
+INVARIANCE_BUDGET = 0.05
+MEMORY_BYTES = 48 * 2**20  # weight copies per timing, so a decode-like read comes from DRAM
+MAX_COPIES = 24
+MODES = ("auto", "invariant", "fastest", "onednn")
+QUANTS = ("auto", "none", "q8_0", "q4_1")
+INVARIANT = {"bf16dot", "q8_0", "q4_1", "q8_0-vnni", "q4_1-vnni"}  # by construction (kernels/qlinear.cpp)
+
+
+@dataclass
+class KernelPlan:
+    linear: dict[str, str]  # role -> kernel
+    attention: str  # "invariant" | "sdpa"
+    invariant: bool  # every kernel batch-invariant: logits do not depend on the batch
+    formats: dict[str, str] = field(default_factory=dict)  # role -> weight format
+    timings: dict = field(default_factory=dict)  # role -> kernel -> {"1": us, "V": us}
+    attention_timings: dict = field(default_factory=dict)
+    key: dict = field(default_factory=dict)
+    note: str = ""
+    step_us: float = 0.0  # what the plan's kernels add up to per decode + verify step, for choosing a dtype
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "KernelPlan":
+        return cls(**data)
+
+    def describe(self) -> str:
+        kernels = ", ".join(f"{r}={k}" for r, k in self.linear.items())
+        return f"{kernels}; attention={self.attention}; {'batch-invariant' if self.invariant else 'not batch-invariant'}"
+
+
+# -- what the machine is ------------------------------------------------------------------
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> list[str]:
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16",
+              "amx_int8", "avx_vnni")
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in wanted if f in have]
+    except OSError:
+        pass
+    return []
+
+
+def plan_key(model, dtype: torch.dtype, quant: str, mode: str) -> dict:
+    from verispec import kernels
+
+    source = Path(kernels.__file__).with_name("qlinear.cpp")
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12] if source.is_file() else ""
+    shapes = {role: [list(shape) for shape in sorted(set(found))] for role, found in _role_shapes(model).items()}
+    return {"version": PLAN_VERSION, "cpu": cpu_name(), "flags": cpu_flags(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."), "quant": quant,
+            "mode": mode, "shapes": shapes, "kernels": digest,
+            "attention": [model.args.num_heads, model.args.num_kv_heads, model.args.head_dim]}
+
+
+def _role_shapes(model) -> dict[str, list[torch.Size]]:
+    out = {}
+    for role, layers in model.linears().items():
+        out[role] = [torch.Size([layer.out_features, layer.in_features]) for layer in layers]
+    return out
+
+
+def profile_path(key: dict) -> Path:
+    from verispec.models.registry import cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "profiles" / f"{digest}.json"
+
+
+# -- measuring ----------------------------------------------------------------------------
+
+
+def _copies(weight: torch.Tensor, kernel: str, dtype: torch.dtype) -> list[Linear]:
+    n = max(1, min(MAX_COPIES, MEMORY_BYTES // max(1, weight.numel() * weight.element_size())))
+    out = []
+    for _ in range(n):
+        layer = Linear(weight.shape[1], weight.shape[0])
+        layer.weight = torch.nn.Parameter(weight.to(dtype if kernel in ("aten", "onednn", "bf16dot") else torch.float32)
+                                          .clone(), requires_grad=False)
+        if not layer.use(kernel):
+            return []
+        out.append(layer)
+    return out
+
+
+@torch.inference_mode()
+def time_linear(weight: torch.Tensor, kernel: str, dtype: torch.dtype, rows=(1, VERIFY_ROWS), passes: int = 3) -> dict:
+    """Microseconds per call at each row count, cycling through copies (read from memory)."""
+    layers = _copies(weight, kernel, dtype)
+    if not layers:
+        return {}
+    out = {}
+    for m in rows:
+        x = torch.randn(m, weight.shape[1]).to(dtype)
+        for layer in layers[:2]:
+            layer(x)
+        best = float("inf")
+        for _ in range(passes):
+            t = time.perf_counter()
+            for layer in layers:
+                layer(x)
+            best = min(best, (time.perf_counter() - t) / len(layers))
+        out["1" if m == 1 else "V"] = round(best * 1e6, 1)
+    return out
+
+
+@torch.inference_mode()
+def time_attention(model, kernel: str, keys: int = 256, passes: int = 5) -> dict:
+    import torch.nn.functional as F
+
+    a = model.args
+    out = {}
+    for n in (1, VERIFY_ROWS):
+        q = torch.randn(n, a.num_heads, a.head_dim)
+        k = torch.randn(a.num_kv_heads, keys, a.head_dim)
+        v = torch.randn(a.num_kv_heads, keys, a.head_dim)
+        mask = None if n == 1 else torch.arange(keys)[None, :] <= torch.arange(keys - n, keys)[:, None]
+        if kernel == "invariant":
+            from verispec import kernels
+
+            mod = kernels.load()
+
+            def call():
+                return mod.attention(q, k, v, mask, 0.125)
+        else:
+            qs, ks, vs = q.transpose(0, 1)[None], k[None], v[None]
+
+            def call():
+                return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=0.125, enable_gqa=True)
+        call()
+        best = float("inf")
+        for _ in range(passes):
+            t = time.perf_counter()
+            for _ in range(20):
+                call()
+            best = min(best, (time.perf_counter() - t) / 20)
+        out["1" if n == 1 else "V"] = round(best * 1e6, 1)
+    return out
+
+
+def _score(t: dict) -> float:
+    return t.get("1", float("inf")) + t.get("V", float("inf"))
+
+
+def lossless_formats(model) -> dict[str, str]:
+    """Per role, the smallest format (q4_1, then q8_0) that reproduces every weight of the
+    role exactly (needs the float32 weights); roles without one are left out."""
+    from verispec.models.quant import dequantize, quantize
+
+    found = {}
+    for role, layers in model.linears().items():
+        weights = [layer.weight for layer in layers if layer.weight.numel()]
+        if not weights or any(w.dtype != torch.float32 or w.shape[1] % 32 for w in weights):
+            continue
+        for fmt in ("q4_1", "q8_0"):
+            if all(torch.equal(dequantize(quantize(w, fmt), fmt, w.shape[1]), w) for w in weights):
+                found[role] = fmt
+                break
+    return found
+
+
+def candidates(dtype: torch.dtype, fmt: str | None) -> list[str]:
+    if fmt is not None:
+        return [k for k in (f"{fmt}-vnni", fmt) if kernel_runs(k, dtype)]
+    base = ["bf16dot", "onednn", "aten"] if dtype == torch.bfloat16 else ["onednn", "aten"]
+    return [k for k in base if kernel_runs(k, dtype)]
+
+
+def measure_plan(model, dtype: torch.dtype, quant: str = "auto", mode: str = "auto",
+                 formats: dict[str, str] | None = None) -> KernelPlan:
+    """Time the candidates of every role and choose (the model's Linears still hold their
+    float weights; `formats` are the roles' weight formats, from lossless_formats when
+    quant is "auto")."""
+    from verispec import kernels
+
+    roles = model.linears()
+    if quant in ("q8_0", "q4_1"):
+        formats = {role: quant for role, layers in roles.items() if layers and layers[0].in_features % 32 == 0}
+    elif quant == "none":
+        formats = {}
+    formats = dict(formats or {})
+    timings: dict[str, dict] = {}
+    for role, layers in roles.items():
+        if not layers:
+            continue
+        weight = layers[0].weight.detach()
+        timings[role] = {}
+        for kernel in candidates(dtype, formats.get(role)) if layers[0].in_features % 32 == 0 else ["onednn", "aten"]:
+            t = time_linear(weight, kernel, dtype)
+            if t:
+                timings[role][kernel] = t
+    have_kernels = kernels.available()
+    attention = {"sdpa": time_attention(model, "sdpa")}
+    if have_kernels and model.args.head_dim % 16 == 0:
+        attention["invariant"] = time_attention(model, "invariant")
+
+    def best(role, allowed):
+        options = {k: t for k, t in timings[role].items() if allowed(k)}
+        return min(options, key=lambda k: _score(options[k])) if options else None
+
+    counts = {role: len(layers) for role, layers in roles.items()}
+
+    def total(choice, att):
+        return sum(counts[r] * _score(timings[r][k]) for r, k in choice.items()) + \
+            model.args.num_layers * _score(attention[att])
+
+    fastest = {r: best(r, lambda k: True) for r in timings}
+    fastest_att = min(attention, key=lambda a: _score(attention[a]))
+    invariant = {r: best(r, lambda k: k in INVARIANT) for r in timings}
+    can_invariant = all(invariant.values()) and "invariant" in attention
+    cost = (total(invariant, "invariant") / total(fastest, fastest_att) - 1) if can_invariant else None
+    if mode == "onednn":
+        choice, att = {r: "onednn" if "onednn" in timings[r] else "aten" for r in timings}, "sdpa"
+        note = "PyTorch-only kernels (--kernels onednn)"
+    elif mode == "invariant" or (mode == "auto" and can_invariant and cost <= INVARIANCE_BUDGET):
+        if not can_invariant:
+            from verispec.errors import UserError
+
+            raise UserError("no batch-invariant kernel runs here for every matrix (verispec's kernels need a C++ "
+                            "compiler and inputs a multiple of 32); use --kernels auto or fastest")
+        choice, att = invariant, "invariant"
+        note = f"batch-invariant kernels, {cost:+.1%} against the fastest of any kernels"
+    else:
+        choice, att = fastest, fastest_att
+        note = ("fastest kernels" + (f": batch invariance would cost {cost:+.1%}" if cost is not None else
+                                     ": no batch-invariant plan runs here"))
+    is_invariant = all(k in INVARIANT for k in choice.values()) and att == "invariant"
+    used = {r: formats.get(r, str(dtype).removeprefix("torch.")) if choice[r] in INVARIANT - {"bf16dot"}
+            else str(dtype).removeprefix("torch.") for r in choice}
+    return KernelPlan(choice, att, is_invariant, used, timings, attention, {}, note, round(total(choice, att), 1))
+
+
+def plan_for(model, dtype: torch.dtype, quant: str = "auto", mode: str = "auto", refresh: bool = False,
+             progress: bool = False) -> KernelPlan:
+    """The cached plan for this model and machine, measured first if there is none."""
+    if mode not in MODES:
+        raise ValueError(f"kernels must be one of {', '.join(MODES)}, got {mode!r}")
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be one of {', '.join(QUANTS)}, got {quant!r}")
+    key = plan_key(model, dtype, quant, mode)
+    path = profile_path(key)
+    if path.is_file() and not refresh:
+        try:
+            plan = KernelPlan.from_json(json.loads(path.read_text()))
+            if plan.key == key:
+                return plan
+        except (ValueError, TypeError, KeyError):
+            pass
+    if progress:
+        import sys
+
+        print("verispec: measuring this machine's kernels for this model (once; cached)...", file=sys.stderr, flush=True)
+    formats = lossless_formats(model) if quant == "auto" else None
+    plan = measure_plan(model, dtype, quant, mode, formats)
+    plan.key = key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    tmp.write_text(json.dumps(plan.to_json(), indent=1))
+    tmp.replace(path)
+    return plan
+
+
+def format_plan(plan: KernelPlan) -> str:
+    """The table `verispec profile` prints."""
+    lines = [f"{'role':<9} {'kernel':<12} {'1 row us':>9} {f'{VERIFY_ROWS} rows us':>10}  chosen"]
+    for role, options in plan.timings.items():
+        for kernel, t in sorted(options.items(), key=lambda kv: _score(kv[1])):
+            mark = "*" if plan.linear.get(role) == kernel else ""
+            lines.append(f"{role:<9} {kernel:<12} {t.get('1', float('nan')):>9.1f} {t.get('V', float('nan')):>10.1f}  {mark}")
+    for kernel, t in plan.attention_timings.items():
+        mark = "*" if plan.attention == kernel else ""
+        lines.append(f"{'attention':<9} {kernel:<12} {t.get('1', float('nan')):>9.1f} {t.get('V', float('nan')):>10.1f}  {mark}")
+    lines.append(f"formats: {', '.join(f'{r}={f}' for r, f in plan.formats.items())}")
+    lines.append(f"-> {plan.note}; {'batch-invariant' if plan.invariant else 'not batch-invariant'}")
+    return "\n".join(lines)
