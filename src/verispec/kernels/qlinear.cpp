@@ -1033,14 +1033,99 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   else TORCH_CHECK(false, "rope_ runs in float32 or bfloat16");
 }
 
-// gate_up [n, 2I] -> silu(gate) * up [n, I], in float32, rounded once
+// gate_up [n, 2I] -> silu(gate) * up [n, I], in float32 (g / (1 + exp(-g)) * u), rounded once;
+// 16 elements at a time where AVX-512 runs, the same operations one at a time otherwise
+__attribute__((target("avx512f,avx512bw,fma")))
+inline void silu_mul_row_f32_512(const float* gu, float* out, int64_t I) {
+  int64_t j = 0;
+  for (; j + 16 <= I; j += 16) {
+    __m512 g = _mm512_loadu_ps(gu + j), u = _mm512_loadu_ps(gu + I + j);
+    __m512 e = exp_poly512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u));
+  }
+  for (; j < I; j++) out[j] = gu[j] / (1.0f + exp_poly(-gu[j])) * gu[I + j];
+}
+
 template <typename T>
 void silu_mul_impl(const T* gu, T* out, int64_t n, int64_t I) {
-  for (int64_t i = 0; i < n; i++)
-    for (int64_t j = 0; j < I; j++) {
-      const float g = load_f(gu, i * 2 * I + j), u = load_f(gu, i * 2 * I + I + j);
-      store_f(out, i * I + j, g / (1.0f + exp_poly(-g)) * u);
+  const bool wide = best_isa() == AVX512;
+  std::vector<float> g(2 * I), o(I);
+  for (int64_t i = 0; i < n; i++) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (wide) { silu_mul_row_f32_512(gu + i * 2 * I, out + i * I, I); continue; }
     }
+    for (int64_t j = 0; j < 2 * I; j++) g[j] = load_f(gu, i * 2 * I + j);
+    if (wide) silu_mul_row_f32_512(g.data(), o.data(), I);
+    else for (int64_t j = 0; j < I; j++) o[j] = g[j] / (1.0f + exp_poly(-g[j])) * g[I + j];
+    for (int64_t j = 0; j < I; j++) store_f(out, i * I + j, o[j]);
+  }
+}
+
+// RMSNorm of each row of x [n, H] (float32 sums of squares in a fixed order: 16 lanes, then
+// the hsum tree), as models/decoder.py computes it: llama / qwen round the normalized row
+// to x's dtype and multiply by the weight (in x's dtype); gemma (offset) multiplies by its
+// float32 weight, which already carries the + 1, and rounds once. With `residual`, the
+// row normalized is x + residual (rounded to x's dtype), written to `sum`.
+template <typename T>
+void rmsnorm_impl(const T* x, const T* residual, T* sum, const void* weight, bool weight_f32, bool offset, T* out,
+                  int64_t n, int64_t H, float eps) {
+  std::vector<float> row(H);
+  for (int64_t i = 0; i < n; i++) {
+    for (int64_t j = 0; j < H; j++) {
+      float v = load_f(x, i * H + j);
+      if (residual) {
+        v = v + load_f(residual, i * H + j);
+        store_f(sum, i * H + j, v);
+        v = load_f(sum, i * H + j);  // the rounded sum, as the next layer sees it
+      }
+      row[j] = v;
+    }
+    float lanes[16] = {0};
+    for (int64_t j = 0; j < H; j++) lanes[j % 16] = std::fma(row[j], row[j], lanes[j % 16]);
+    float s8[8], s4[4], s2[2];
+    for (int l = 0; l < 8; l++) s8[l] = lanes[l] + lanes[l + 8];
+    for (int l = 0; l < 4; l++) s4[l] = s8[l] + s8[l + 4];
+    for (int l = 0; l < 2; l++) s2[l] = s4[l] + s4[l + 2];
+    const float inv = 1.0f / std::sqrt((s2[0] + s2[1]) / (float)H + eps);
+    for (int64_t j = 0; j < H; j++) {
+      const float w = weight_f32 ? ((const float*)weight)[j] : load_f((const T*)weight, j);
+      const float normed = row[j] * inv;
+      if (offset) store_f(out, i * H + j, normed * w);
+      else {
+        store_f(out, i * H + j, normed);  // round to x's dtype first (a no-op in float32)
+        store_f(out, i * H + j, load_f(out, i * H + j) * w);
+      }
+    }
+  }
+}
+
+std::vector<torch::Tensor> rmsnorm(torch::Tensor x, torch::Tensor weight, double eps, bool offset,
+                                   c10::optional<torch::Tensor> residual) {
+  x = x.contiguous();
+  TORCH_CHECK(x.dim() == 2, "x must be [n, H]");
+  const int64_t n = x.size(0), H = x.size(1);
+  TORCH_CHECK(weight.numel() == H, "weight must have H values");
+  weight = weight.contiguous();
+  const bool wf32 = weight.scalar_type() == torch::kFloat32;
+  TORCH_CHECK(wf32 || weight.scalar_type() == x.scalar_type(), "weight dtype mismatch");
+  torch::Tensor res, sum;
+  if (residual.has_value() && residual->defined()) {
+    res = residual->contiguous();
+    TORCH_CHECK(res.sizes() == x.sizes() && res.scalar_type() == x.scalar_type(), "residual must match x");
+    sum = torch::empty_like(x);
+  }
+  auto out = torch::empty_like(x);
+  if (x.scalar_type() == torch::kFloat32)
+    rmsnorm_impl<float>(x.data_ptr<float>(), res.defined() ? res.data_ptr<float>() : nullptr,
+                        sum.defined() ? sum.data_ptr<float>() : nullptr, weight.data_ptr(), wf32, offset,
+                        out.data_ptr<float>(), n, H, (float)eps);
+  else if (x.scalar_type() == torch::kBFloat16)
+    rmsnorm_impl<uint16_t>((const uint16_t*)x.data_ptr(), res.defined() ? (const uint16_t*)res.data_ptr() : nullptr,
+                           sum.defined() ? (uint16_t*)sum.data_ptr() : nullptr, weight.data_ptr(), wf32, offset,
+                           (uint16_t*)out.data_ptr(), n, H, (float)eps);
+  else TORCH_CHECK(false, "rmsnorm runs in float32 or bfloat16");
+  if (sum.defined()) return {out, sum};
+  return {out};
 }
 
 torch::Tensor silu_mul(torch::Tensor gate_up) {
@@ -1092,6 +1177,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear4", &qlinear4, "q4_1 / q8_0 tiles x int8 activations (VNNI, batch-invariant)");
   m.def("rope_", &rope_, "RoPE in place (float32 / bfloat16)");
   m.def("rope_qk_", &rope_qk_, "RoPE in place on the q and k heads of fused qkv rows");
+  m.def("rmsnorm", &rmsnorm, "RMSNorm of rows ([normed]), or of x + residual ([normed, sum])");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up output");
   m.def("attend_cached", &attend_cached, "write a row's K/V into its cache, then attend (float32)");
   m.def("attention", &attention, "attention computed per (query, head), batch-invariant");

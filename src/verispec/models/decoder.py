@@ -282,7 +282,8 @@ class Decoder(nn.Module):
     def _layer(self, layer: DecoderLayer, h, batch: BatchKV, plans, rope, index: int) -> torch.Tensor:
         args = self.args
         fused = self._fused
-        x = self._norm(h, layer.attn_norm)
+        eps, offset = args.rms_norm_eps, bool(args.norm_offset)
+        x = self._norm(h, layer.attn_norm) if fused is None else fused.rmsnorm(h, layer.attn_norm, eps, offset, None)[0]
         qkv = layer.qkv(x)
         n_tok = qkv.shape[0]
         D = args.head_dim
@@ -304,8 +305,11 @@ class Decoder(nn.Module):
         out = layer.o_proj(attn)
         if args.sandwich_norms:
             out = self._norm(out, layer.post_attn_norm)
-        h = h + out
-        x = self._norm(h, layer.mlp_norm)
+        if fused is None:
+            h = h + out
+            x = self._norm(h, layer.mlp_norm)
+        else:  # the residual add and the next norm in one op
+            x, h = fused.rmsnorm(h, layer.mlp_norm, eps, offset, out)
         if fused is not None and args.activation == "silu":
             out = layer.down(fused.silu_mul(layer.gate_up(x)))
         else:

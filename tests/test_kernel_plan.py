@@ -1,0 +1,156 @@
+"""Kernel plans (models/kernel_plan.py) and the decoder under verispec's kernels.
+
+Oracles: transformers' own implementation of every tiny family (logits under the
+batch-invariant bf16 plan within bf16's tolerance of the float32 truth, as transformers'
+own bf16 is); bit equality of a row's logits decoded one token at a time, as a verify
+block, and beside another row's prefill (the invariance the plan promises, for every
+family, sliding-window rings included); exact requantization for the lossless formats;
+and the cache file for plan reuse.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.tiny_models import build_reference, family_configs, reference_logits
+from verispec import kernels
+from verispec.models import kernel_plan
+from verispec.models.decoder import BatchKV
+from verispec.models.loader import load_folder
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="verispec's kernels could not be built here")
+
+FAMILIES = list(family_configs())
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plan-families")
+    out = {}
+    for name, config in family_configs().items():
+        reference = build_reference(config, root / name)
+        out[name] = (root / name, reference)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+
+
+def _bf16_invariant(folder):
+    if not kernels.load().bf16dot():
+        pytest.skip("no AVX512-BF16: the bf16 invariant plan needs it")
+    return load_folder(folder, dtype=torch.bfloat16, kernels="invariant", quant="none")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_invariant_plan_decodes_like_transformers(folders, family):
+    folder, reference = folders[family]
+    model = _bf16_invariant(folder)
+    assert model.kernel_plan.invariant and model.attention_kernel == "invariant"
+    ids = [3, 17, 42, 5, 88, 13, 2, 61, 9, 30, 77, 4]
+    truth = reference_logits(reference, ids)
+    ours = model(torch.tensor(ids), BatchKV([model.new_cache().allocate(32)], [len(ids)]),
+                 logits_at=torch.arange(len(ids))).logits
+    legacy = load_folder(folder, dtype=torch.bfloat16)  # PyTorch's kernels, bf16: what bf16 costs anyway
+    theirs = legacy(torch.tensor(ids), BatchKV([legacy.new_cache().allocate(32)], [len(ids)]),
+                    logits_at=torch.arange(len(ids))).logits
+    ours_err = (ours - truth).abs().max().item()
+    bf16_err = (theirs - truth).abs().max().item()
+    assert ours_err <= max(2.5 * bf16_err, 0.05), (ours_err, bf16_err)
+    assert (ours.argmax(-1) == truth.argmax(-1)).float().mean() >= 0.9
+
+
+def _logits_of(model, prompt, cont, chunks, beside=None):
+    cache = model.new_cache()
+    seq = cache.allocate(64)
+    model(torch.tensor(prompt), BatchKV([seq], [len(prompt)]))
+    out, at = [], 0
+    for n in chunks:
+        if beside is not None and at == 0:  # another row's prefill chunk in the same forward
+            other = cache.allocate(64)
+            ids = torch.tensor(cont[:n] + beside)
+            logits = model(ids, BatchKV([seq, other], [n, len(beside)]),
+                           logits_at=torch.arange(n)).logits
+        else:
+            logits = model(torch.tensor(cont[at : at + n]), BatchKV([seq], [n]), logits_at=torch.arange(n)).logits
+        out.append(logits)
+        at += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_rows_logits_do_not_depend_on_the_batch(folders, family):
+    """Past the sliding window (8) too: gemma's rings wrap inside this continuation."""
+    model = _bf16_invariant(folders[family][0])
+    prompt = [5, 9, 14, 22, 31, 40]
+    cont = [7, 1, 60, 33, 12, 90, 45, 8, 19, 27, 3, 55]
+    single = _logits_of(model, prompt, cont, [1] * 12)
+    for chunks in ([9, 3], [4, 4, 4], [12], [2, 5, 5]):
+        assert torch.equal(_logits_of(model, prompt, cont, chunks), single), chunks
+    assert torch.equal(_logits_of(model, prompt, cont, [3, 9], beside=[2, 4, 6, 8, 10, 12, 14]), single)
+
+
+def test_a_plan_is_measured_once_and_reused_until_its_key_changes(folders, monkeypatch):
+    folder = folders["llama"][0]
+    calls = []
+    real = kernel_plan.measure_plan
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(kernel_plan, "measure_plan", counting)
+    first = load_folder(folder, dtype=torch.float32, kernels="auto", quant="none")
+    second = load_folder(folder, dtype=torch.float32, kernels="auto", quant="none")
+    assert len(calls) == 1 and second.kernel_plan.linear == first.kernel_plan.linear
+    path = kernel_plan.profile_path(first.kernel_plan.key)
+    saved = json.loads(path.read_text())
+    assert saved["linear"] == first.kernel_plan.linear and saved["key"]["cpu"] == kernel_plan.cpu_name()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        load_folder(folder, dtype=torch.float32, kernels="auto", quant="none")
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 2, "another thread count is another machine"
+
+
+def test_forced_modes(folders):
+    folder = folders["qwen3"][0]
+    onednn = load_folder(folder, dtype=torch.float32, kernels="onednn", quant="none")
+    assert set(onednn.kernel_plan.linear.values()) <= {"onednn", "aten"} and onednn.attention_kernel == "sdpa"
+    assert not onednn.kernel_plan.invariant
+    quant = load_folder(folder, dtype=torch.float32, kernels="invariant", quant="q8_0")
+    assert all(k.startswith("q8_0") for k in quant.kernel_plan.linear.values()) and quant.kernel_plan.invariant
+    from verispec.errors import UserError
+
+    with pytest.raises(UserError, match="no batch-invariant kernel"):
+        load_folder(folder, dtype=torch.float32, kernels="invariant", quant="none")  # no invariant float32 kernel
+
+
+def test_lossless_formats_are_found_exactly_where_requantizing_is_exact(folders):
+    from verispec.models.quant import dequantize, quantize
+
+    folder = folders["llama"][0]
+    model = load_folder(folder, dtype=torch.float32, pack=False)
+    model.ensure_lm()
+    assert kernel_plan.lossless_formats(model) == {}  # random weights: nothing is exact
+    with torch.no_grad():
+        for layer in model.linears()["gate_up"]:
+            layer.weight.copy_(dequantize(quantize(layer.weight, "q4_1"), "q4_1", layer.in_features))
+        for layer in model.linears()["down"]:
+            layer.weight.copy_(dequantize(quantize(layer.weight, "q8_0"), "q8_0", layer.in_features))
+    assert kernel_plan.lossless_formats(model) == {"gate_up": "q4_1", "down": "q8_0"}
+
+
+def test_profile_prints_the_plan(folders, capsys):
+    from verispec.cli import main
+
+    assert main(["profile", "-m", str(folders["llama"][0]), "--dtype", "float32", "--quant", "q4_1"]) == 0
+    out = capsys.readouterr().out
+    assert "qkv" in out and "lm_head" in out and "attention" in out and "cached in" in out

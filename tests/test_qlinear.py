@@ -1,0 +1,197 @@
+"""verispec's CPU kernels (kernels/qlinear.cpp) and weight formats (models/quant.py).
+
+Oracles: float64 products of the dequantized weights (each kernel within float32 or, for
+the int8-activation VNNI kernels, int8 rounding error of it); numpy round trips of the
+block formats, and GGUF's own q4_1 / q8_0 bytes dequantized by models/gguf/dequant.py;
+float64 softmax attention. Batch invariance, the property the kernels exist for, is
+checked bit for bit: a row computed alone equals the same row inside calls of every other
+row count (1..33, and beside unrelated rows), for every kernel and head size; the float
+kernels give the same bits on every ISA path (scalar, AVX2, AVX-512).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from verispec import kernels
+from verispec.models.quant import (
+    deinterleave4,
+    dequantize,
+    interleave4,
+    interleave4_blocks,
+    quantize,
+)
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="verispec's kernels could not be built here")
+
+SHAPES = [(96, 64), (130, 96), (64, 320)]  # N not a multiple of 4 included (padded tiles)
+
+
+@pytest.fixture(scope="module")
+def mod():
+    return kernels.load()
+
+
+def _weights(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * 0.05
+
+
+def _rows(m, k, seed=1, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    x[::3, ::5] = 0.0  # zeros too: a ReLU-like input is where a library kernel's row count showed
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_block_formats_round_trip_and_match_gguf(fmt):
+    w = _weights(40, 128)
+    blocks = quantize(w, fmt)
+    deq = dequantize(blocks, fmt, 128)
+    step = (w.reshape(40, -1, 32).amax(-1) - w.reshape(40, -1, 32).amin(-1)).max() / (15 if fmt == "q4_1" else 127)
+    assert (deq - w).abs().max() <= step  # within one quantization step
+    assert torch.equal(dequantize(quantize(deq, fmt), fmt, 128), deq)  # requantizing dequantized blocks is exact
+    # the bytes are GGUF's: models/gguf/dequant.py reads them as a tensor of that type
+    from gguf import GGMLQuantizationType
+
+    from verispec.models.gguf.dequant import dequantize as gguf_dequantize
+
+    qtype = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}[fmt]
+    theirs = gguf_dequantize(blocks.numpy().reshape(-1), qtype, (40, 128))
+    assert torch.equal(torch.as_tensor(np.asarray(theirs)).reshape(40, 128).float(), deq)
+
+
+def test_interleaved_layouts_hold_the_same_rows():
+    w = _weights(130, 96).to(torch.bfloat16)
+    assert torch.equal(deinterleave4(interleave4(w), 130, 96), w.float())
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "bf16"])
+def test_float_kernels_equal_a_float64_product_and_agree_across_isas(mod, n, k, fmt):
+    w = _weights(n, k)
+    blocks = quantize(w, fmt)
+    x = _rows(7, k)
+    ref = x.double() @ dequantize(blocks, fmt, k).double().T
+    ys = [mod.qlinear(x, blocks, None, kernels.FORMATS[fmt], n, isa) for isa in range(mod.isa() + 1)]
+    for y in ys:
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(y, ys[0]), "every ISA path computes the same operations"
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_vnni_kernels_are_the_int8_activation_product(mod, n, k, fmt):
+    if not mod.vnni():
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    w = _weights(n, k)
+    blocks = quantize(w, fmt)
+    x = _rows(7, k)
+    y = mod.qlinear4(x, interleave4_blocks(blocks, fmt), None, kernels.FORMATS[fmt], n)
+    # the oracle: x rounded to int8 per 32-block (absmax / 127), times the dequantized weights
+    xb = x.double().reshape(7, -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    xq = (torch.where(d > 0, xb / torch.where(d > 0, d, 1), 0).round().clamp(-127, 127) * d).reshape(7, k)
+    ref = xq @ dequantize(blocks, fmt, k).double().T
+    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4)
+    # and the old row-major VNNI kernel computes the same model
+    torch.testing.assert_close(mod.qlinear(x, blocks, None, kernels.FORMATS[fmt], n, 3), y, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_kernel_is_a_bf16_product_with_float32_sums(mod):
+    if not mod.bf16dot():
+        pytest.skip("no AVX512-BF16 on this CPU")
+    w = _weights(130, 96).to(torch.bfloat16)
+    x = _rows(9, 96, dtype=torch.bfloat16)
+    bias = torch.randn(130)
+    y = mod.bf16_linear(x, interleave4(w), bias, 130, True)
+    ref = x.double() @ w.double().T + bias.double()
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(mod.bf16_linear(x, interleave4(w), bias, 130, False), y.to(torch.bfloat16))
+
+
+def _kernel_calls(mod):
+    calls = {}
+    for fmt in ("q4_1", "q8_0", "bf16"):
+        calls[f"{fmt}-float"] = (torch.float32, lambda x, w, fmt=fmt: mod.qlinear(x, quantize(w, fmt), None,
+                                                                                   kernels.FORMATS[fmt], w.shape[0], -1))
+    if mod.vnni():
+        for fmt in ("q4_1", "q8_0"):
+            calls[f"{fmt}-vnni"] = (torch.float32, lambda x, w, fmt=fmt: mod.qlinear4(
+                x, interleave4_blocks(quantize(w, fmt), fmt), None, kernels.FORMATS[fmt], w.shape[0]))
+    if mod.bf16dot():
+        calls["bf16dot"] = (torch.bfloat16, lambda x, w: mod.bf16_linear(x, interleave4(w), None, w.shape[0], False))
+    return calls
+
+
+@pytest.mark.parametrize("n,k", [(130, 96), (64, 320)])
+def test_every_kernel_is_batch_invariant_bit_for_bit(mod, n, k):
+    """Row r alone == row r inside calls of 2..33 rows == row r among unrelated rows."""
+    w = _weights(n, k)
+    others = _rows(40, k, seed=9)
+    for name, (dtype, call) in _kernel_calls(mod).items():
+        x = _rows(33, k).to(dtype)
+        alone = torch.cat([call(x[r : r + 1].contiguous(), w) for r in range(33)])
+        for m in list(range(2, 34)):
+            assert torch.equal(call(x[:m].contiguous(), w), alone[:m]), f"{name}: {m} rows changed a row"
+        mixed = torch.cat([others[:5].to(dtype), x[10:20], others[5:31].to(dtype)])
+        assert torch.equal(call(mixed, w)[5:15], alone[10:20]), f"{name}: unrelated rows changed a row"
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+def test_attention_is_softmax_attention_and_batch_invariant(mod, head_dim):
+    g = torch.Generator().manual_seed(head_dim)
+    heads, kv_heads, keys, n = 6, 2, 70, 9
+    q = torch.randn(n, heads, head_dim, generator=g)
+    k = torch.randn(kv_heads, keys, head_dim, generator=g)
+    v = torch.randn(kv_heads, keys, head_dim, generator=g)
+    start = keys - n
+    mask = torch.arange(keys)[None, :] <= torch.arange(start, keys)[:, None]
+    out = mod.attention(q, k, v, mask, head_dim**-0.5)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None].double(), k[None].double(), v[None].double(),
+                                         attn_mask=mask, scale=head_dim**-0.5, enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    for i in range(n):
+        # a decode step: one query over exactly its keys, no mask -- the same bits as in the block
+        alone = mod.attention(q[i : i + 1], k[:, : start + i + 1], v[:, : start + i + 1], None, head_dim**-0.5)
+        assert torch.equal(alone[0], out[i])
+
+
+def test_cache_write_and_attention_in_one_op(mod):
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, D, slots = 4, 2, 64, 16
+    cache_k = torch.randn(kv_heads, slots, D, generator=g)
+    cache_v = torch.randn(kv_heads, slots, D, generator=g)
+    q = torch.randn(3, heads, D, generator=g)
+    k_new = torch.randn(3, kv_heads, D, generator=g)
+    v_new = torch.randn(3, kv_heads, D, generator=g)
+    mask = torch.arange(8)[None, :] <= torch.arange(5, 8)[:, None]
+    ref_k, ref_v = cache_k.clone(), cache_v.clone()
+    ref_k[:, 5:8], ref_v[:, 5:8] = k_new.transpose(0, 1), v_new.transpose(0, 1)
+    expected = mod.attention(q, ref_k[:, :8], ref_v[:, :8], mask, 0.125)
+    out = mod.attend_cached(q, k_new, v_new, cache_k, cache_v, 5, 8, mask, 0.125)
+    assert torch.equal(cache_k, ref_k) and torch.equal(cache_v, ref_v)
+    assert torch.equal(out, expected)
+    # a ring: position p goes to slot p % slots
+    mod.attend_cached(q[:1], k_new[:1], v_new[:1], cache_k, cache_v, slots + 2, slots, None, 0.125)
+    assert torch.equal(cache_k[:, 2], k_new[0])
+
+
+def test_rope_and_silu_mul_helpers(mod):
+    from verispec.models.config import RopeArgs
+    from verispec.models.decoder import RotaryTable, apply_rope
+
+    table = RotaryTable(RopeArgs(theta=10000.0), 64, torch.float32, "cpu")
+    positions = torch.tensor([0, 5, 17])
+    cos, sin = table.lookup(positions)
+    qkv = torch.randn(3, 5 * 64 + 64)
+    expected = apply_rope(qkv[:, : 5 * 64].view(3, 5, 64), cos, sin)
+    mod.rope_qk_(qkv, 5, 64, cos.view(3, 64), sin.view(3, 64))
+    torch.testing.assert_close(qkv[:, : 5 * 64].view(3, 5, 64), expected, rtol=1e-6, atol=1e-6)
+    gate_up = torch.randn(4, 2 * 48)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(mod.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
