@@ -5,8 +5,10 @@ the same weights:
 
 * verispec as served (`load_for_serving`: the kernel plan measured for this machine,
   lossless weight formats, `--dtype auto`), the same with PyTorch's kernels only
-  (oneDNN-packed bf16, SDPA: what verispec ran before its own kernels), and bf16 with
-  verispec's batch-invariant kernels and no quantization;
+  (oneDNN-packed bf16, SDPA: what verispec ran before its own kernels), bf16 with
+  verispec's batch-invariant kernels and no quantization, and `--quant q8_0` / `q4_1`
+  (every matrix no lossless format reproduces in that format: a lossy model,
+  bench/quant_quality.py);
 * HF transformers `generate` (bf16, sdpa attention) on the converted HF folder;
 * llama.cpp through llama-cpp-python on the original GGUF (SmolLM2 Q4_1, Gemma-3
   Q4_K_M), when installed.
@@ -205,6 +207,8 @@ def bench_model(name: str, args, bandwidth: float) -> dict:
     loaded["verispec"] = load_for_serving(name)
     loaded["verispec bf16, PyTorch kernels"] = load_model(name, dtype=torch.bfloat16)
     loaded["verispec bf16 invariant"] = load_model(name, dtype=torch.bfloat16, kernels="invariant", quant="none")
+    for quant in ("q8_0", "q4_1"):
+        loaded[f"verispec --quant {quant}"] = load_for_serving(name, quant=quant, progress=False)
     tokenizer = loaded["verispec"].tokenizer
     chat = has_chat_template(tokenizer)
     prompt_ids = encode_chat(tokenizer, [{"role": "user", "content": CHAT_PROMPT}]) if chat \

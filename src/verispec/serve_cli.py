@@ -43,8 +43,8 @@ def add_kernel_args(p) -> None:
                         "either; onednn: PyTorch's kernels only")
     g.add_argument("--quant", choices=["auto", "none", "q8_0", "q4_1"], default="auto",
                    help="weight format: auto = per matrix the smallest format that reproduces the model's weights "
-                        "exactly (a GGUF's own q4_1 / q8_0 tensors), else the dtype; q8_0 / q4_1 quantize every "
-                        "matrix (a different, lossy model); none keeps the dtype")
+                        "exactly (a GGUF's own q4_1 / q8_0 tensors), else the dtype; q8_0 / q4_1: those exact "
+                        "formats, and this one for every other matrix (a different, lossy model); none keeps the dtype")
 
 
 def add_serve_args(p) -> None:

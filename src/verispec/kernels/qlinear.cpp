@@ -1068,7 +1068,7 @@ void silu_mul_impl(const T* gu, T* out, int64_t n, int64_t I) {
 // row normalized is x + residual (rounded to x's dtype), written to `sum`.
 template <typename T>
 void rmsnorm_impl(const T* x, const T* residual, T* sum, const void* weight, bool weight_f32, bool offset, T* out,
-                  int64_t n, int64_t H, float eps) {
+                  int64_t n, int64_t H, float eps, int64_t weight_rows) {
   std::vector<float> row(H);
   for (int64_t i = 0; i < n; i++) {
     for (int64_t j = 0; j < H; j++) {
@@ -1087,8 +1087,9 @@ void rmsnorm_impl(const T* x, const T* residual, T* sum, const void* weight, boo
     for (int l = 0; l < 4; l++) s4[l] = s8[l] + s8[l + 4];
     for (int l = 0; l < 2; l++) s2[l] = s4[l] + s4[l + 2];
     const float inv = 1.0f / std::sqrt((s2[0] + s2[1]) / (float)H + eps);
+    const int64_t wr = (i % weight_rows) * H;  // per-head norms: row i takes weight row i % heads
     for (int64_t j = 0; j < H; j++) {
-      const float w = weight_f32 ? ((const float*)weight)[j] : load_f((const T*)weight, j);
+      const float w = weight_f32 ? ((const float*)weight)[wr + j] : load_f((const T*)weight, wr + j);
       const float normed = row[j] * inv;
       if (offset) store_f(out, i * H + j, normed * w);
       else {
@@ -1104,7 +1105,8 @@ std::vector<torch::Tensor> rmsnorm(torch::Tensor x, torch::Tensor weight, double
   x = x.contiguous();
   TORCH_CHECK(x.dim() == 2, "x must be [n, H]");
   const int64_t n = x.size(0), H = x.size(1);
-  TORCH_CHECK(weight.numel() == H, "weight must have H values");
+  TORCH_CHECK(weight.numel() % H == 0, "weight must have H values per row");
+  const int64_t weight_rows = weight.numel() / H;
   weight = weight.contiguous();
   const bool wf32 = weight.scalar_type() == torch::kFloat32;
   TORCH_CHECK(wf32 || weight.scalar_type() == x.scalar_type(), "weight dtype mismatch");
@@ -1118,14 +1120,39 @@ std::vector<torch::Tensor> rmsnorm(torch::Tensor x, torch::Tensor weight, double
   if (x.scalar_type() == torch::kFloat32)
     rmsnorm_impl<float>(x.data_ptr<float>(), res.defined() ? res.data_ptr<float>() : nullptr,
                         sum.defined() ? sum.data_ptr<float>() : nullptr, weight.data_ptr(), wf32, offset,
-                        out.data_ptr<float>(), n, H, (float)eps);
+                        out.data_ptr<float>(), n, H, (float)eps, weight_rows);
   else if (x.scalar_type() == torch::kBFloat16)
     rmsnorm_impl<uint16_t>((const uint16_t*)x.data_ptr(), res.defined() ? (const uint16_t*)res.data_ptr() : nullptr,
                            sum.defined() ? (uint16_t*)sum.data_ptr() : nullptr, weight.data_ptr(), wf32, offset,
-                           (uint16_t*)out.data_ptr(), n, H, (float)eps);
+                           (uint16_t*)out.data_ptr(), n, H, (float)eps, weight_rows);
   else TORCH_CHECK(false, "rmsnorm runs in float32 or bfloat16");
   if (sum.defined()) return {out, sum};
   return {out};
+}
+
+// gelu_tanh(gate) * up: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) * u, with tanh(z) =
+// 1 - 2 / (exp(2z) + 1) on the same exp polynomial, in float32, rounded once
+template <typename T>
+void gelu_mul_impl(const T* gu, T* out, int64_t n, int64_t I) {
+  for (int64_t i = 0; i < n; i++)
+    for (int64_t j = 0; j < I; j++) {
+      const float g = load_f(gu, i * 2 * I + j), u = load_f(gu, i * 2 * I + I + j);
+      const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+      const float t = 1.0f - 2.0f / (exp_poly(2.0f * z) + 1.0f);
+      store_f(out, i * I + j, 0.5f * g * (1.0f + t) * u);
+    }
+}
+
+torch::Tensor gelu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [n, 2I]");
+  gate_up = gate_up.contiguous();
+  const int64_t n = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({n, I}, gate_up.options());
+  if (gate_up.scalar_type() == torch::kFloat32) gelu_mul_impl<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), n, I);
+  else if (gate_up.scalar_type() == torch::kBFloat16)
+    gelu_mul_impl<uint16_t>((const uint16_t*)gate_up.data_ptr(), (uint16_t*)out.data_ptr(), n, I);
+  else TORCH_CHECK(false, "gelu_mul runs in float32 or bfloat16");
+  return out;
 }
 
 torch::Tensor silu_mul(torch::Tensor gate_up) {
@@ -1178,6 +1205,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "RoPE in place (float32 / bfloat16)");
   m.def("rope_qk_", &rope_qk_, "RoPE in place on the q and k heads of fused qkv rows");
   m.def("rmsnorm", &rmsnorm, "RMSNorm of rows ([normed]), or of x + residual ([normed, sum])");
+  m.def("gelu_mul", &gelu_mul, "gelu_tanh(gate) * up of a fused gate_up output");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up output");
   m.def("attend_cached", &attend_cached, "write a row's K/V into its cache, then attend (float32)");
   m.def("attention", &attention, "attention computed per (query, head), batch-invariant");

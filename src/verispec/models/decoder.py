@@ -280,43 +280,64 @@ class Decoder(nn.Module):
         return ForwardOutput(logits, tuple(tapped[t] for t in taps))
 
     def _layer(self, layer: DecoderLayer, h, batch: BatchKV, plans, rope, index: int) -> torch.Tensor:
+        if self._fused is not None:
+            return self._fused_layer(layer, h, batch, plans, rope, index)
         args = self.args
-        fused = self._fused
-        eps, offset = args.rms_norm_eps, bool(args.norm_offset)
-        x = self._norm(h, layer.attn_norm) if fused is None else fused.rmsnorm(h, layer.attn_norm, eps, offset, None)[0]
+        x = self._norm(h, layer.attn_norm)
         qkv = layer.qkv(x)
         n_tok = qkv.shape[0]
         D = args.head_dim
-        heads_qk = args.num_heads + args.num_kv_heads
-        if fused is not None and not args.qk_norm:  # RoPE in place on the q and k heads, one op
-            fused.rope_qk_(qkv, heads_qk, D, rope[0].view(n_tok, D), rope[1].view(n_tok, D))
-            qk = qkv[:, : layer.n_q + layer.n_kv].view(n_tok, -1, D)
-        else:
-            qk = qkv[:, : layer.n_q + layer.n_kv].view(n_tok, -1, D)
-            if args.qk_norm:
-                qk = self._norm(qk, layer.qk_norm)
-            qk = apply_rope(qk, *rope)
+        qk = qkv[:, : layer.n_q + layer.n_kv].view(n_tok, -1, D)
         v = qkv[:, layer.n_q + layer.n_kv :].view(n_tok, args.num_kv_heads, D)
+        if args.qk_norm:
+            qk = self._norm(qk, layer.qk_norm)
+        qk = apply_rope(qk, *rope)
         kv_dtype = batch.seqs[0].cache.dtype
-        if kv_dtype != qk.dtype and fused is None:  # bf16 weights, float32 cache (kv_dtype()): cast once per layer
+        if kv_dtype != qk.dtype:  # bf16 weights, float32 cache (kv_dtype()): cast once per layer
             qk, v = qk.to(kv_dtype), v.to(kv_dtype)
         q, k = qk[:, : args.num_heads], qk[:, args.num_heads :]
         attn = self._attention(q, k, v, batch, plans, layer.window, index)
         out = layer.o_proj(attn)
         if args.sandwich_norms:
             out = self._norm(out, layer.post_attn_norm)
-        if fused is None:
-            h = h + out
-            x = self._norm(h, layer.mlp_norm)
-        else:  # the residual add and the next norm in one op
-            x, h = fused.rmsnorm(h, layer.mlp_norm, eps, offset, out)
-        if fused is not None and args.activation == "silu":
-            out = layer.down(fused.silu_mul(layer.gate_up(x)))
-        else:
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            out = layer.down(self._act(gate) * up)
+        h = h + out
+        x = self._norm(h, layer.mlp_norm)
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        out = layer.down(self._act(gate) * up)
         if args.sandwich_norms:
             out = self._norm(out, layer.post_mlp_norm)
+        return h + out
+
+    def _fused_layer(self, layer: DecoderLayer, h, batch: BatchKV, plans, rope, index: int) -> torch.Tensor:
+        """The same layer on verispec's kernels (kernels/qlinear.cpp): norms (+ the residual
+        add before them), RoPE, the activation and the cache write + attention each one op,
+        every one per row, so the layer stays batch-invariant."""
+        args, fused = self.args, self._fused
+        eps, offset = args.rms_norm_eps, bool(args.norm_offset)
+        x = fused.rmsnorm(h, layer.attn_norm, eps, offset, None)[0]
+        qkv = layer.qkv(x)
+        n_tok = qkv.shape[0]
+        D = args.head_dim
+        heads_qk = args.num_heads + args.num_kv_heads
+        cos, sin = rope[0].view(n_tok, D), rope[1].view(n_tok, D)
+        if args.qk_norm:  # per-head norms (weight row per head), then RoPE in place on the result
+            qk = fused.rmsnorm(qkv[:, : layer.n_q + layer.n_kv].reshape(-1, D), layer.qk_norm, eps, offset, None)[0]
+            qk = qk.view(n_tok, heads_qk, D)
+            fused.rope_(qk, cos, sin)
+        else:  # RoPE in place on the q and k heads of the fused rows
+            fused.rope_qk_(qkv, heads_qk, D, cos, sin)
+            qk = qkv[:, : layer.n_q + layer.n_kv].view(n_tok, -1, D)
+        v = qkv[:, layer.n_q + layer.n_kv :].view(n_tok, args.num_kv_heads, D)
+        q, k = qk[:, : args.num_heads], qk[:, args.num_heads :]
+        attn = self._attention(q, k, v, batch, plans, layer.window, index)
+        out = layer.o_proj(attn)
+        if args.sandwich_norms:
+            out = fused.rmsnorm(out, layer.post_attn_norm, eps, offset, None)[0]
+        x, h = fused.rmsnorm(h, layer.mlp_norm, eps, offset, out)  # h + out, and its norm
+        gate_up = layer.gate_up(x)
+        out = layer.down(fused.silu_mul(gate_up) if args.activation == "silu" else fused.gelu_mul(gate_up))
+        if args.sandwich_norms:
+            out = fused.rmsnorm(out, layer.post_mlp_norm, eps, offset, None)[0]
         return h + out
 
     def _attention(self, q, k, v, batch: BatchKV, plans, window, index: int) -> torch.Tensor:

@@ -15,8 +15,9 @@ What is chosen:
   q4_1 / q8_0 tensors requantize to the same bytes (SmolLM2-135M: every layer q4_1, the
   tied lm_head q8_0), so those kernels compute the source model itself, in fewer bytes.
   Roles no format reproduces stay in the model's dtype. `quant="q8_0"` / `"q4_1"`
-  quantize every role (a lossy, different model: bench/quant_quality.py measures the
-  perplexity); `quant="none"` keeps the dtype everywhere.
+  quantize those roles to that format too (lossless roles keep their exact format): a
+  lossy, different model, whose perplexity bench/quant_quality.py measures;
+  `quant="none"` keeps the dtype everywhere.
 * **Kernels**: per role the fastest candidate by t(1 row) + t(verify rows). In
   `mode="auto"` only batch-invariant kernels (verispec's own) are candidates when the
   best invariant plan costs at most `INVARIANCE_BUDGET` (5%) more than the best plan of
@@ -237,8 +238,9 @@ def measure_plan(model, dtype: torch.dtype, quant: str = "auto", mode: str = "au
     from verispec import kernels
 
     roles = model.linears()
-    if quant in ("q8_0", "q4_1"):
-        formats = {role: quant for role, layers in roles.items() if layers and layers[0].in_features % 32 == 0}
+    if quant in ("q8_0", "q4_1"):  # lossless formats where one exists, the asked one for the rest
+        formats = {**{role: quant for role, layers in roles.items() if layers and layers[0].in_features % 32 == 0},
+                   **(formats or {})}
     elif quant == "none":
         formats = {}
     formats = dict(formats or {})
@@ -313,7 +315,7 @@ def plan_for(model, dtype: torch.dtype, quant: str = "auto", mode: str = "auto",
         import sys
 
         print("verispec: measuring this machine's kernels for this model (once; cached)...", file=sys.stderr, flush=True)
-    formats = lossless_formats(model) if quant == "auto" else None
+    formats = lossless_formats(model) if quant != "none" else None
     plan = measure_plan(model, dtype, quant, mode, formats)
     plan.key = key
     path.parent.mkdir(parents=True, exist_ok=True)
