@@ -19,7 +19,7 @@ EPILOG = """\
 examples:
   verispec serve                                            OpenAI-compatible server on 127.0.0.1:8000
   verispec serve --port 8080 --api-key secret --kv-budget 4GB
-  verispec generate "Write a haiku about tokens."          chat prompt, default model
+  verispec generate "Give me three tips for writing clear code."          chat prompt, default model
   verispec generate --system "Answer in French." "Hi"      with a system message
   verispec generate --raw "The capital of France is"       plain completion, no template
   verispec generate -m gemma3-270m --raw --max-tokens 64 "Once upon a time"

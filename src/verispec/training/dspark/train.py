@@ -34,6 +34,7 @@ weights as 1 process with the same global batch.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
@@ -132,8 +133,15 @@ class Distributed:
             self.dist.barrier()
 
     def close(self):
-        if self.dist is not None:
-            self.dist.destroy_process_group()
+        """Tear the group down with every rank at the same point and nothing still holding
+        it: a DDP reducer that outlives the group is destroyed at interpreter exit, where
+        gloo's joinable threads abort the process ("terminate called without an active
+        exception", seen in CI on one run of tests/test_dspark_train.py in ~10)."""
+        if self.dist is None:
+            return
+        gc.collect()
+        self.dist.barrier()
+        self.dist.destroy_process_group()
 
 
 def lr_at(step: int, total: int, peak: float, warmup_ratio: float = 0.04) -> float:
@@ -338,6 +346,7 @@ def run_train(args) -> int:
                 print(f"train: stopped at step {run.step} of {run.total}; rerun the same command to continue",
                       file=sys.stderr)
             break
+    run.view = None  # the DDP reducer holds the process group
     world.close()
     return 0
 
