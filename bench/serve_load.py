@@ -273,11 +273,12 @@ def main() -> None:
              f"{'ITL p95':>9}{'peak RSS':>10}{'vs transformers':>17}"
     print(header)
     for r in rows:
-        ratio = r["agg_tok_s"] / base[r["concurrency"]] if base.get(r["concurrency"]) else float("nan")
-        r["vs_transformers"] = round(ratio, 2) if ratio == ratio else None
+        ratio = r["agg_tok_s"] / base[r["concurrency"]] if base.get(r["concurrency"]) else None
+        r["vs_transformers"] = None if ratio is None else round(ratio, 2)
+        shown = f"{ratio:>16.2f}x" if ratio is not None else f"{'-':>17}"  # transformers not run
         print(f"{r['engine']:<13}{r['concurrency']:>5}{r['requests']:>6}{r['agg_tok_s']:>11.1f}"
               f"{(r['stream_tok_s'] or 0):>14.1f}{r['ttft_p50_ms']:>8} ms{r['ttft_p95_ms']:>7} ms{r['itl_p95_ms']:>6} ms"
-              f"{r['peak_rss_mb']:>7} MB{ratio:>16.2f}x" + (f"  ({r['errors']} errors)" if r["errors"] else ""))
+              f"{r['peak_rss_mb']:>7} MB{shown}" + (f"  ({r['errors']} errors)" if r["errors"] else ""))
     for name, reason in skipped.items():
         print(f"{name}: skipped ({reason})")
     print(json.dumps({"bench": "serve_load", "model": args.model, "dtype": args.dtype, "threads": args.threads,
