@@ -149,6 +149,20 @@ def test_calibrate_writes_thresholds_and_measure_reports(tmp_path):
     from verispec.drafting.dspark.checkpoint import load_dspark
 
     assert load_dspark(drafter).config.confidence_threshold == config["confidence_threshold"]
+    # STS (the default method): one positive temperature per position, fitted on half the prompts
+    # and reported on the other half, loaded back with the checkpoint
+    temperatures = config["confidence_temperature"]
+    assert len(temperatures) == 4 and all(t > 0 for t in temperatures)
+    assert report["sts"]["temperatures"] == temperatures and report["sts"]["check_rounds"] > 50
+    assert len(report["sts"]["before"]) == len(report["sts"]["after"]) == 4
+    assert (drafter / "sts.png").stat().st_size > 1000
+    assert load_dspark(drafter).config.confidence_temperature == temperatures
+    # the threshold method is DeepSpec's kind: no temperatures
+    assert main(["dspark", "calibrate", "--drafter", str(drafter), "-m", target, "--prompts", str(prompts), "--skip", "0",
+                 "--limit", "4", "--max-tokens", "16", "--min-evidence", "5", "--dtype", "float32", "--quiet",
+                 "--method", "threshold"]) == 0
+    assert "confidence_temperature" not in json.loads((drafter / "config.json").read_text())
+    assert load_dspark(drafter).config.confidence_temperature is None
 
     evals = tmp_path / "eval"
     evals.mkdir()

@@ -99,10 +99,15 @@ a whole run for the default model (each command can be stopped and rerun; README
     tr.add_argument("--log-every", type=int, default=5)
     tr.add_argument("--threads", type=int, default=None)
 
-    cal = stages.add_parser("calibrate", help="fit per-position confidence thresholds on held-out live rounds",
-                            description="Decode held-out prompts live with full proposals; per draft position fit the "
-                            "confidence threshold below which drafts are (Laplace-smoothed) too rarely accepted; write "
-                            "them into the checkpoint's config; report ECE and a reliability diagram.")
+    cal = stages.add_parser("calibrate", help="calibrate the confidence head (STS) and fit per-position thresholds "
+                            "on held-out live rounds",
+                            description="Decode held-out prompts live with full proposals. --method sts (default): fit "
+                            "per-position temperatures left to right so the cumulative products of the confidences are "
+                            "calibrated survival probabilities (DSpark's STS), fitted on half the prompts and checked "
+                            "on the other half (ECE/AUC table, sts.png); then, on the calibrated confidences, per "
+                            "position the threshold below which drafts are (Laplace-smoothed) too rarely accepted. "
+                            "--method threshold: thresholds on the raw confidences only. Both are written into the "
+                            "checkpoint's config.json; reliability.png and calibration.json report them.")
     cal.add_argument("--drafter", required=True,
                      help="DSpark checkpoint folder, or a train --out folder for its newest checkpoint "
                           "(its config.json is updated)")
@@ -117,6 +122,9 @@ a whole run for the default model (each command can be stopped and rerun; README
                           "worth verifying when its acceptance exceeds the marginal verify cost of one more token, "
                           "~0.04 of a step on a CPU; an empty proposal still pays the drafter's round)")
     cal.add_argument("--min-evidence", type=int, default=30, help="never cut on fewer tested drafts (default 30)")
+    cal.add_argument("--method", choices=["sts", "threshold"], default="sts",
+                     help="sts (default): temperatures per position, then thresholds on the calibrated confidences; "
+                          "threshold: thresholds on the raw confidences, no temperatures (DeepSpec's kind)")
     _target_options(cal)
 
     me = stages.add_parser("measure", help="tau, acceptance by position and speed vs plain decoding on the eval prompts",

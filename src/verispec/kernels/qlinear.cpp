@@ -254,16 +254,6 @@ void kernel_vnni(const QuantizedRows& xq, const uint8_t* w, const float* bias, f
 // sequence for every output element whatever M is: batch-invariant, like the others.
 // Output float32 or bf16 (round to nearest even, as torch's .to(bfloat16)).
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-inline float hsum512bf(__m512 v) {
-  __m256 lo = _mm512_castps512_ps256(v);
-  __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-  __m256 s8 = _mm256_add_ps(lo, hi);
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 0x55));
-  return _mm_cvtss_f32(s1);
-}
 
 inline uint16_t float_to_bf16_rne(float f) {
   uint32_t bits;
@@ -273,9 +263,9 @@ inline uint16_t float_to_bf16_rne(float f) {
   return (uint16_t)(bits >> 16);
 }
 
-// Four accumulators -> their four sums, by exactly hsum512bf's tree for each (lane j +
+// Four accumulators -> their four sums, by exactly hsum512's tree for each (lane j +
 // lane j+8, then j + j+4, j + j+2, j + j+1), done for all four at once with shuffles.
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")))
 inline __m128 reduce4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
   __m512 t01 = _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x44), _mm512_shuffle_f32x4(v0, v1, 0xEE));
   __m512 t23 = _mm512_add_ps(_mm512_shuffle_f32x4(v2, v3, 0x44), _mm512_shuffle_f32x4(v2, v3, 0xEE));
@@ -286,7 +276,7 @@ inline __m128 reduce4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
 }
 
 // float -> bf16, round to nearest even, exactly as float_to_bf16_rne (NaN kept a NaN)
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")))
 inline __m128i bf16_rne4(__m128 v) {
   __m128i bits = _mm_castps_si128(v);
   __m128i lsb = _mm_and_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(1));
@@ -297,7 +287,7 @@ inline __m128i bf16_rne4(__m128 v) {
   return _mm_cvtepi32_epi16(out);  // low 16 bits of each lane
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")))
 inline void store_out(void* y, bool y_bf16, int64_t idx, float v) {
   if (y_bf16) ((uint16_t*)y)[idx] = float_to_bf16_rne(v);
   else ((float*)y)[idx] = v;
@@ -311,7 +301,7 @@ inline void store_out(void* y, bool y_bf16, int64_t idx, float v) {
 // tile sizes, so the accumulators live in registers. Neither tiling changes any element's
 // own sequence of operations.
 template <int MT>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")))
 inline void bf16dot_tile(const uint16_t* x, const uint16_t* w4, const float* bias, void* y, bool y_bf16, int64_t N,
                          int64_t K, int64_t m0, int64_t n) {
   const int64_t nb = K / BLOCK;
@@ -339,7 +329,7 @@ inline void bf16dot_tile(const uint16_t* x, const uint16_t* w4, const float* bia
   for (int t = 0; t < MT; t++) {
     if (!full) {  // the padded last tile: one column at a time, the same tree
       for (int c = 0; c < 4 && n + c < N; c++)
-        store_out(y, y_bf16, (m0 + t) * N + n + c, hsum512bf(acc[t][c]) + (bias ? bias[n + c] : 0.0f));
+        store_out(y, y_bf16, (m0 + t) * N + n + c, hsum512(acc[t][c]) + (bias ? bias[n + c] : 0.0f));
       continue;
     }
     __m128 r = _mm_add_ps(reduce4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]), bv);
@@ -349,7 +339,7 @@ inline void bf16dot_tile(const uint16_t* x, const uint16_t* w4, const float* bia
   }
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")))
 void kernel_bf16dot(const uint16_t* x, const uint8_t* w, const float* bias, void* y, bool y_bf16, int64_t M,
                     int64_t N, int64_t K, int64_t n0, int64_t n1) {
   const uint16_t* w4 = (const uint16_t*)w;
@@ -371,7 +361,8 @@ void kernel_bf16dot(const uint16_t* x, const uint8_t* w, const float* bias, void
 bool has_avx512bf16() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
+         __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,16 @@ def _threshold(value) -> float | list[float]:
     if isinstance(value, list):
         return [float(v) for v in value]
     return float(value or 0.0)
+
+
+def _temperatures(value, block_size: int) -> list[float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != block_size or not all(
+            isinstance(v, (int, float)) and v > 0 and math.isfinite(v) for v in value):
+        raise DraftCheckpointError(f"confidence_temperature must be {block_size} positive numbers (one per draft "
+                                   f"position), got {value!r}")
+    return [float(v) for v in value]
 
 
 class DraftCheckpointError(ValueError):
@@ -56,6 +67,8 @@ class DSparkConfig:
     num_anchors: int
     draft_vocab_size: int | None = None
     confidence_threshold: float | list[float] = 0.0  # 0: keep every drafted position (DeepSpec's default)
+    # STS (`verispec dspark calibrate`): c_k = sigmoid(logit_k / T_k); None (DeepSpec's checkpoints): T = 1
+    confidence_temperature: list[float] | None = None
 
     @property
     def has_markov(self) -> bool:
@@ -108,6 +121,7 @@ class DSparkConfig:
             num_anchors=int(raw.get("num_anchors", 512)),
             draft_vocab_size=int(raw["draft_vocab_size"]) if raw.get("draft_vocab_size") else None,
             confidence_threshold=_threshold(raw.get("confidence_threshold")),
+            confidence_temperature=_temperatures(raw.get("confidence_temperature"), int(raw["block_size"])),
         )
 
     @classmethod
@@ -157,6 +171,8 @@ class DSparkConfig:
         raw = dict(self.raw)
         if self.confidence_threshold:
             raw["confidence_threshold"] = self.confidence_threshold
+        if self.confidence_temperature is not None:
+            raw["confidence_temperature"] = self.confidence_temperature
         return raw
 
     def save(self, folder: Path) -> None:

@@ -10,7 +10,8 @@ drafting rows at once, then the sequential head slot by slot, each slot's token 
 from the request's own processed distribution (greedy: argmax; sampled: drawn with the
 source's generator, and that distribution is the q verification needs), then the
 confidence cut: the proposal ends before the first slot whose sigmoid(confidence) is
-below the threshold (DeepSpec's rule; an empty proposal is a plain decode step).
+below the threshold (DeepSpec's rule; an empty proposal is a plain decode step), the
+confidence divided by the slot's STS temperature first where calibrate fitted one.
 
 `trace`, when a list, receives one record per proposal and per commit (what DeepSpec's
 evaluator logs), which is how tests/test_dspark.py compares rounds with its traces.
@@ -69,6 +70,7 @@ class DSparkProvider(DraftProvider):
         self.block_size = config.block_size
         self.max_draft = config.block_size  # a round proposes at most one block
         self.threshold = config.confidence_threshold if confidence_threshold is None else confidence_threshold
+        self.temperatures = config.confidence_temperature  # STS; None: raw sigmoids
         self.trace: list | None = None
         vocab = drafter.draft_vocab_ids
         self._to_draft = None
@@ -123,7 +125,7 @@ class DSparkProvider(DraftProvider):
         drafts = {}
         for r, (source, anchor, max_n) in enumerate(active):
             row_conf = None if confidence is None else confidence[r]
-            n = min(confident_prefix(row_conf, self.threshold, self.block_size), max_n)
+            n = min(confident_prefix(row_conf, self.threshold, self.block_size, self.temperatures), max_n)
             q = chooser.q(r, n)
             drafts[id(source)] = Draft(tokens[r, :n].tolist(), q)
             if self.trace is not None:

@@ -1,15 +1,26 @@
-"""`verispec dspark calibrate`: per-position confidence thresholds from held-out rounds.
+"""`verispec dspark calibrate`: calibrated confidences and per-position thresholds from
+held-out rounds.
 
 The confidence head predicts c_j = P(draft j accepted | drafts before it accepted). On
 held-out prompts (ShareGPT first turns after the ones datagen used, by default) the
-drafter decodes live with full proposals, and every slot j the target actually tested
-(all drafts before it accepted) gives a pair (c_j, accepted_j).
+drafter decodes live with full proposals, and every round gives its confidence logits
+and how many drafts the target accepted.
 
-Thresholds: per position j, the largest t such that the drafts it would cut, {c_j < t},
-are at least `--min-evidence` many and their Laplace-smoothed acceptance
-(accepted + 1) / (n + 2) is below `--target-acceptance`; where no such t exists (thin
-evidence or no bad region) the position is never cut (t = 0). They are written into the
-checkpoint's config.json (`confidence_threshold`, one per position), which serving uses.
+`--method sts` (the default): Sequential Temperature Scaling (paper §3.2.1,
+training/dspark/sts.py): per position a temperature, fitted left to right so that the
+cumulative product prod_{i<=j} c_i is calibrated as the probability that the round keeps
+its first j drafts. The prompts are split in two (even / odd): the temperatures are fitted
+on one half and the ECE / AUC before and after are reported on the other, with the
+reliability diagrams before and after (sts.png). The temperatures go into the checkpoint's
+config.json (`confidence_temperature`); checkpoints without them (DeepSpec's) load with
+identity temperatures. Thresholds are then fitted on the calibrated confidences, as below.
+
+`--method threshold`: thresholds only, on the raw sigmoids (temperatures removed): per
+position j, the largest t such that the drafts it would cut, {c_j < t}, are at least
+`--min-evidence` many and their Laplace-smoothed acceptance (accepted + 1) / (n + 2) is
+below `--target-acceptance`; where no such t exists (thin evidence or no bad region) the
+position is never cut (t = 0). They are written into config.json
+(`confidence_threshold`, one per position), which serving uses.
 
 Why the default target is low (0.1): a cut saves only the marginal verify cost of the
 drafts it removes (on this CPU ~0.04 of a target step per token, bench/spec.py), while
@@ -17,16 +28,16 @@ the drafter's round is paid anyway. Measured with the shipped SmolLM2 drafter (1
 prompts, T=0, serving policy): thresholds fit for 0.3 emptied most proposals (tau 1.18,
 0.92x plain decoding); fit for 0.1, tau 1.48 and 1.15x.
 
-Calibration report: per position the expected calibration error (20 equal-width bins,
-|mean c - acceptance| weighted by bin count) of the raw confidence as a conditional
-acceptance probability, and a reliability diagram (reliability.png); calibration.json
-holds the numbers. The paper's STS temperature fitting is not applied (DeepSpec does not
-implement it either); the thresholds act on the raw sigmoids.
+Threshold report: per position the expected calibration error (20 equal-width bins,
+|mean c - acceptance| weighted by bin count) of the (calibrated) confidence as a
+conditional acceptance probability, and a reliability diagram (reliability.png);
+calibration.json holds the numbers.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -77,6 +88,8 @@ def run_calibrate(args) -> int:
     from verispec.training.dspark.live import make_engine, run_live
     from verispec.drafting.dspark.source import DSparkProvider
 
+    from verispec.training.dspark import sts
+
     if args.threads:
         torch.set_num_threads(args.threads)
     folder = newest_checkpoint(Path(args.drafter))
@@ -85,18 +98,39 @@ def run_calibrate(args) -> int:
     provider = DSparkProvider(drafter, confidence_threshold=0.0)
     engine = make_engine(loaded, provider, adaptive=False, num_draft_tokens=drafter.block_size)
     g = drafter.block_size
-    pairs: list[list[tuple[float, bool]]] = [[] for _ in range(g)]
+    halves: list[list[tuple[list[float], int, int]]] = [[], []]  # rounds of even / odd prompts
     prompts = list(read_prompts(args.prompts, args.limit, skip=args.skip))
-    for _, text in tqdm(prompts, desc="calibrate", unit="prompt", file=sys.stderr, disable=args.quiet):
+    for i, (_, text) in enumerate(tqdm(prompts, desc="calibrate", unit="prompt", file=sys.stderr,
+                                       disable=args.quiet)):
         ids = encode_chat(loaded.tokenizer, [{"role": "user", "content": text}])
         if len(ids) > args.max_prompt_tokens:
             continue
         live = run_live(engine, ids, args.max_tokens, SamplingParams(), loaded.stop_ids)
-        for r in live.rounds:
-            for j in range(min(r.proposal_len, len(r.confidences))):
-                if j > r.accepted:
-                    break  # not tested: an earlier draft was rejected
-                pairs[j].append((r.confidences[j], j < r.accepted))
+        halves[i % 2].extend((r.logits, r.accepted, r.proposal_len) for r in live.rounds if len(r.logits) >= g)
+    summary: dict = {"method": args.method, "prompts": len(prompts)}
+    temperatures = None
+    if args.method == "sts":
+        fit, check = sts.Rounds(halves[0], g), sts.Rounds(halves[1], g)
+        temperatures = sts.fit_sts(fit)
+        before, after = sts.report(check, None), sts.report(check, temperatures)
+        summary["sts"] = {"temperatures": temperatures, "fit_rounds": len(fit), "check_rounds": len(check),
+                          "before": before, "after": after}
+        _plot_sts(before, after, folder / "sts.png")
+        print(f"STS on {len(fit)} rounds, checked on {len(check)} held-out rounds (cumulative products):")
+        print(f"{'position':>8}{'tested':>8}{'survive':>9}{'T':>8}{'ECE raw':>9}{'ECE STS':>9}{'AUC raw':>9}"
+              f"{'AUC STS':>9}")
+        for b, a, t in zip(before, after, temperatures):
+            surv = f"{b['survival']:.3f}" if b["survival"] is not None else "  -"
+            print(f"{b['position']:>8}{b['tested']:>8}{surv:>9}{t:>8.3f}{b['ece']:>9.3f}{a['ece']:>9.3f}"
+                  f"{b['auc']:>9.3f}{a['auc']:>9.3f}")
+    # thresholds on the (calibrated) conditional confidences, every tested slot
+    pairs: list[list[tuple[float, bool]]] = [[] for _ in range(g)]
+    for logits, accepted, proposal_len in halves[0] + halves[1]:
+        for j in range(min(proposal_len, g)):
+            if j > accepted:
+                break  # not tested: an earlier draft was rejected
+            t = 1.0 if temperatures is None else temperatures[j]
+            pairs[j].append((1 / (1 + math.exp(-logits[j] / t)), j < accepted))
     thresholds, report = [], []
     for j in range(g):
         t = fit_threshold(pairs[j], args.target_acceptance, args.min_evidence)
@@ -107,18 +141,44 @@ def run_calibrate(args) -> int:
         report.append({"position": j, "tested": n, "acceptance": rate, "ece": error, "threshold": t, "bins": table})
     raw = json.loads((folder / "config.json").read_text())
     raw["confidence_threshold"] = thresholds
+    if temperatures is None:
+        raw.pop("confidence_temperature", None)
+    else:
+        raw["confidence_temperature"] = temperatures
     (folder / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     (folder / "calibration.json").write_text(json.dumps({
-        "target_acceptance": args.target_acceptance, "min_evidence": args.min_evidence, "prompts": len(prompts),
+        **summary, "target_acceptance": args.target_acceptance, "min_evidence": args.min_evidence,
         "positions": report}, indent=2))
     _plot(report, folder / "reliability.png")
     print(f"{'position':>8}{'tested':>8}{'accept':>8}{'ECE':>8}{'threshold':>11}")
     for r in report:
         acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "  -"
         print(f"{r['position']:>8}{r['tested']:>8}{acc:>8}{r['ece']:>8.3f}{r['threshold']:>11.2f}")
-    print(f"calibrate: thresholds {thresholds} written to {folder / 'config.json'}; report in calibration.json, "
-          f"reliability.png", file=sys.stderr)
+    written = f"temperatures {temperatures} and " if temperatures is not None else ""
+    print(f"calibrate: {written}thresholds {thresholds} written to {folder / 'config.json'}; report in "
+          f"calibration.json, reliability.png" + (", sts.png" if temperatures is not None else ""), file=sys.stderr)
     return 0
+
+
+def _plot_sts(before: list[dict], after: list[dict], png: Path) -> None:
+    """Reliability of the cumulative products per position, raw and after STS."""
+    from verispec.training.plots import pyplot
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5.5), sharey=True)
+    for ax, report, title in ((axes[0], before, "raw confidences"), (axes[1], after, "after STS")):
+        ax.plot([0, 1], [0, 1], "k--", linewidth=1, label="perfect calibration")
+        for r in report:
+            if r["bins"]:
+                ax.plot([b["predicted"] for b in r["bins"]], [b["observed"] for b in r["bins"]], marker="o",
+                        markersize=3, label=f"position {r['position'] + 1} (ECE {r['ece']:.3f})")
+        ax.set_xlabel("predicted P(first k drafts accepted)")
+        ax.set_title(f"{title}, held-out rounds")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("observed rate")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
 
 
 def _plot(report: list[dict], png: Path) -> None:

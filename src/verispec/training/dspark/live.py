@@ -19,6 +19,7 @@ class Round:
     confidences: list[float]  # sigmoid of every slot's confidence logit (the whole block)
     proposal_len: int
     accepted: int  # drafts kept (the stop token cut as DeepSpec does)
+    logits: list[float] = field(default_factory=list)  # the raw confidence logits (what STS scales)
 
 
 @dataclass
@@ -51,8 +52,9 @@ def run_live(engine: Engine, prompt_ids: list[int], max_tokens: int, params: Sam
             elif proposal is not None:
                 kept = event["kept"][1:]
                 accepted = next((i + 1 for i, t in enumerate(kept) if t in stop_ids), len(kept))
-                confidences = [1 / (1 + math.exp(-c)) for c in (proposal["confidence_logits"] or [])]
-                live.rounds.append(Round(confidences, proposal["proposal_len"], accepted))
+                logits = list(proposal["confidence_logits"] or [])
+                confidences = [1 / (1 + math.exp(-c)) for c in logits]
+                live.rounds.append(Round(confidences, proposal["proposal_len"], accepted, logits))
                 proposal = None
         provider.trace = None
     return live

@@ -1,0 +1,75 @@
+"""A calibrated confidence for every draft source, so one verify scheduler serves all.
+
+The scheduler (engine/verify_schedule.py) needs, for every drafted position j of a row,
+c_j = P(draft j accepted | drafts before it accepted). Where they come from:
+
+* a DSpark drafter: its confidence head, STS-calibrated (`Draft.confidence`);
+* grammar-forced tokens: 1 (the grammar allows nothing else, and the target's masked
+  distribution puts all its mass there);
+* every other source (n-gram lookup, a draft model): `OnlineAcceptance`, a table fitted
+  online from served traffic, keyed by (draft position, the source's feature): n-gram's
+  match length, a draft model's probability for its own token in tenths
+  (`Draft.feature`, one per position). Each cell is a Beta posterior whose prior is the
+  position's pooled rate, worth `PRIOR_WEIGHT` rounds, so a fresh cell starts at what
+  that position achieves overall and moves to its own rate as evidence comes in. Counts
+  decay (`MEMORY` rounds per cell) so the table follows the traffic.
+
+Only rounds that tested a position count for it (every draft before it was kept), which
+is what makes the estimate conditional.
+
+Oracle: tests/test_verify_schedule.py (the table converges to known per-cell rates drawn
+from a simulation; untested positions do not move it).
+"""
+
+from __future__ import annotations
+
+PRIOR_WEIGHT = 4.0
+MEMORY = 512.0
+START_RATE = 0.5
+
+
+class OnlineAcceptance:
+    def __init__(self, positions: int):
+        self.positions = max(1, positions)
+        self.pooled = [[START_RATE * PRIOR_WEIGHT, PRIOR_WEIGHT] for _ in range(self.positions)]  # [accepted, tested]
+        self.cells: dict[tuple[int, int], list[float]] = {}
+
+    def _pooled_rate(self, j: int) -> float:
+        acc, n = self.pooled[min(j, self.positions - 1)]
+        return acc / n
+
+    def conditional(self, j: int, feature: int) -> float:
+        prior = self._pooled_rate(j)
+        acc, n = self.cells.get((min(j, self.positions - 1), feature), (0.0, 0.0))
+        return (acc + prior * PRIOR_WEIGHT) / (n + PRIOR_WEIGHT)
+
+    def confidences(self, features: list[int]) -> list[float]:
+        return [self.conditional(j, f) for j, f in enumerate(features)]
+
+    def update(self, features: list[int], kept: int) -> None:
+        """A verified draft with these per-position features of which the first `kept`
+        were accepted: positions 0..kept were tested, the first `kept` of them passed."""
+        for j, f in enumerate(features[: kept + 1]):
+            hit = 1.0 if j < kept else 0.0
+            p = min(j, self.positions - 1)
+            for counts, memory in ((self.cells.setdefault((p, f), [0.0, 0.0]), MEMORY),
+                                   (self.pooled[p], 4 * MEMORY)):
+                counts[0] += hit
+                counts[1] += 1.0
+                if counts[1] > memory:
+                    scale = memory / counts[1]
+                    counts[0] *= scale
+                    counts[1] *= scale
+
+    def table(self) -> list[dict]:
+        return [{"position": p, "feature": f, "tested": round(n, 1), "rate": round(self.conditional(p, f), 4)}
+                for (p, f), (_, n) in sorted(self.cells.items())]
+
+
+def survival(conditionals: list[float]) -> list[float]:
+    """a_j = prod_{i<=j} c_i (clamped to [0, 1])."""
+    out, a = [], 1.0
+    for c in conditionals:
+        a *= min(1.0, max(0.0, c))
+        out.append(a)
+    return out

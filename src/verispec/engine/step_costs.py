@@ -1,0 +1,160 @@
+"""The SPS table: what one target forward of B tokens costs on this machine.
+
+DSpark's scheduler (paper §3.2.2) weighs expected accepted tokens against SPS(B), the
+engine's steps per second at a forward of B tokens, profiled once and kept as a lookup
+table. Here the table is measured at engine start for the token counts the engine issues
+(a decode step of 1 to 64 tokens: rows x (1 + drafts)), each point the median of several
+timed forwards after a short context, made monotone (a forward of more tokens never costs
+less; timing noise can say otherwise), and cached in the user cache per (model shapes and
+kernel plan, dtype, device, CPU, torch, threads) so restarts reuse it. An entry older than
+`MAX_AGE_DAYS`, or measured for another key, is measured again; `verispec profile
+--refresh` forces it. `verispec profile` and `/stats` show it.
+
+Whether the rows a forward spans matter: on this CPU a forward of 8 tokens as one row's
+verify block and as 8 rows of 1 cost within a few percent of each other (`verispec
+profile` measures both), so the table is keyed by tokens alone.
+
+Oracle: tests/test_step_costs.py (monotone, median, interpolation against the measured
+points, the cache reused and invalidated by its key and age).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+SIZES = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 24, 32, 48, 64)
+REPEATS = 5
+CONTEXT = 64
+MAX_AGE_DAYS = 7
+VERSION = 1
+
+
+class StepCosts:
+    """Relative cost of a target forward over n tokens (n = 1 costs 1.0), interpolated
+    between measured points; beyond the last point, linear. `seconds` keeps the measured
+    times (the SPS table is their inverse)."""
+
+    def __init__(self, points: dict[int, float]):
+        self.seconds = {int(n): float(s) for n, s in sorted(points.items())}
+        self.n = list(self.seconds)
+        self.base_seconds = self.seconds[self.n[0]]  # the smallest measured forward, in seconds
+        self.cost = [self.seconds[n] / self.base_seconds for n in self.n]
+
+    def __call__(self, n: int) -> float:
+        ns, cs = self.n, self.cost
+        if n <= ns[0]:
+            return cs[0]
+        for (n0, c0), (n1, c1) in zip(zip(ns, cs), zip(ns[1:], cs[1:])):
+            if n <= n1:
+                return c0 + (c1 - c0) * (n - n0) / (n1 - n0)
+        slope = (cs[-1] - cs[-2]) / (ns[-1] - ns[-2])
+        return cs[-1] + slope * (n - ns[-1])
+
+    def sps(self, n: int) -> float:
+        """Steps per second of a forward of n tokens."""
+        return 1.0 / (self(n) * self.base_seconds)
+
+    def table(self) -> list[dict]:
+        return [{"tokens": n, "ms": round(s * 1e3, 3), "steps_per_s": round(1.0 / s, 1), "relative": round(c, 3)}
+                for (n, s), c in zip(self.seconds.items(), self.cost)]
+
+    @classmethod
+    def flat(cls) -> "StepCosts":
+        return cls({1: 1.0, 2: 1.0})
+
+
+def monotone(points: dict[int, float]) -> dict[int, float]:
+    running, out = 0.0, {}
+    for n in sorted(points):
+        running = out[n] = max(points[n], running)
+    return out
+
+
+@torch.inference_mode()
+def measure(model, sizes=SIZES, context: int = CONTEXT, repeats: int = REPEATS, rows: int = 1) -> dict[int, float]:
+    """Seconds of a target forward of n tokens after `context` tokens, the median of
+    `repeats`, for each n: as one row (`rows=1`, a verify block) or spread over `rows`
+    rows of n / rows tokens each (n divisible by rows)."""
+    from verispec.models.decoder import BatchKV
+
+    cache = model.new_cache()
+    seqs = [cache.allocate(context + max(sizes) + 1) for _ in range(rows)]
+    ids = torch.randint(0, model.args.vocab_size, (context + max(sizes),), device=model.device)
+    for seq in seqs:
+        model(ids[:context], BatchKV([seq], [context]))
+    points = {}
+    for n in sizes:
+        each = n // rows
+        if each * rows != n:
+            continue
+        batch = torch.cat([ids[context : context + each]] * rows)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            model(batch, BatchKV(seqs, [each] * rows), logits_at=torch.arange(n, device=model.device))
+            if model.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+            for seq in seqs:
+                seq.rollback(each)
+        points[n] = statistics.median(times)
+    for seq in seqs:
+        cache.release(seq)
+    return points
+
+
+def measure_step_costs(model, sizes=SIZES, context: int = CONTEXT, repeats: int = REPEATS) -> StepCosts:
+    """About a second on a 2-core CPU for a 135M model."""
+    return StepCosts(monotone(measure(model, sizes, context, repeats)))
+
+
+def cache_key(model, sizes=SIZES) -> dict:
+    from verispec.models.kernel_plan import cpu_name
+
+    plan = getattr(model, "kernel_plan", None)
+    a = model.args
+    return {"version": VERSION, "cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
+            "shapes": [a.num_layers, a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads, a.head_dim,
+                       a.vocab_size],
+            "plan": None if plan is None else {"linear": plan.linear, "key": plan.key},
+            "sizes": list(sizes), "context": CONTEXT}
+
+
+def cache_path(key: dict) -> Path:
+    from verispec.models.registry import cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return cache_dir() / "profiles" / f"sps-{digest}.json"
+
+
+def step_costs_for(model, refresh: bool = False, sizes=SIZES) -> tuple[StepCosts, dict]:
+    """The cached SPS table for this model on this machine, measured when missing, stale
+    or asked to (`refresh`); also what happened (`source`: cache or measured, `path`)."""
+    key = cache_key(model, sizes)
+    path = cache_path(key)
+    if not refresh and path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+            fresh = time.time() - saved["measured_at"] < MAX_AGE_DAYS * 86400
+            if saved["key"] == json.loads(json.dumps(key, default=str)) and fresh:
+                return StepCosts({int(n): s for n, s in saved["seconds"].items()}), \
+                    {"source": "cache", "path": str(path), "measured_at": saved["measured_at"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable: measure again
+    costs = measure_step_costs(model, sizes)
+    record = {"key": key, "measured_at": time.time(), "seconds": costs.seconds}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1, default=str))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache still serves
+    return costs, {"source": "measured", "path": str(path), "measured_at": record["measured_at"]}

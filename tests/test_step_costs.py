@@ -1,0 +1,99 @@
+"""The SPS table (engine/step_costs.py): measured, monotone, interpolated, cached.
+
+Oracles: the measured points themselves (interpolation and SPS are read back against
+them), a forward-counting stand-in for timing (median of the repeats), and the cache
+file: reused for the same key, measured again for another key, when stale, or on refresh.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from tests.tiny_models import build_reference, family_configs
+from verispec.engine import step_costs
+from verispec.engine.step_costs import StepCosts, monotone
+from verispec.models.loader import load_folder
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sps") / "llama"
+    build_reference(family_configs()["llama"], folder)
+    return load_folder(folder, dtype=torch.float32)
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+
+
+def test_interpolation_and_sps_read_back_the_measured_points():
+    costs = StepCosts({1: 0.010, 2: 0.012, 4: 0.016, 8: 0.030})
+    assert costs(1) == 1.0 and costs(2) == pytest.approx(1.2) and costs(8) == pytest.approx(3.0)
+    assert costs(3) == pytest.approx(1.4)  # halfway between 2 and 4
+    assert costs(12) == pytest.approx(3.0 + 4 * (3.0 - 1.6) / 4)  # the last slope continued
+    assert costs.sps(4) == pytest.approx(1 / 0.016)
+    assert [r["tokens"] for r in costs.table()] == [1, 2, 4, 8]
+    assert monotone({1: 2.0, 2: 1.5, 3: 3.0, 4: 2.5}) == {1: 2.0, 2: 2.0, 3: 3.0, 4: 3.0}
+
+
+def test_each_point_is_the_median_of_its_repeats(model, monkeypatch):
+    fake = iter(range(1000))
+    clock = {"t": 0.0}
+
+    def perf_counter():
+        return clock["t"]
+
+    real_forward = type(model).__call__
+
+    def forward(self, *a, **k):
+        clock["t"] += [0.5, 0.1, 0.3, 0.9, 0.2][next(fake) % 5]  # median 0.3 for every five forwards
+        return real_forward(self, *a, **k)
+
+    monkeypatch.setattr(step_costs.time, "perf_counter", perf_counter)
+    monkeypatch.setattr(type(model), "__call__", forward)
+    # the context prefill takes forward 0; then each size's five repeats are forwards 1-5, 6-10, ...
+    points = step_costs.measure(model, sizes=(1, 2), context=4, repeats=5)
+    assert points == {1: pytest.approx(0.3), 2: pytest.approx(0.3)}
+
+
+def test_spread_rows_take_the_same_tokens(model):
+    one = step_costs.measure(model, sizes=(4, 8), context=4, repeats=1, rows=1)
+    four = step_costs.measure(model, sizes=(2, 4, 8), context=4, repeats=1, rows=4)
+    assert set(one) == {4, 8} and set(four) == {4, 8}  # 2 tokens cannot spread over 4 rows
+
+
+def test_the_table_is_cached_per_key_and_measured_again_when_stale(model, monkeypatch):
+    calls = []
+    real = step_costs.measure_step_costs
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(step_costs, "measure_step_costs", counting)
+    first, info = step_costs.step_costs_for(model, sizes=(1, 2, 4))
+    assert info["source"] == "measured" and len(calls) == 1
+    again, info2 = step_costs.step_costs_for(model, sizes=(1, 2, 4))
+    assert info2["source"] == "cache" and len(calls) == 1 and again.seconds == first.seconds
+    assert all(b >= a for a, b in zip(first.cost, first.cost[1:]))  # monotone as stored
+    step_costs.step_costs_for(model, sizes=(1, 2, 4), refresh=True)
+    assert len(calls) == 2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2 if threads == 1 else 1)
+        assert step_costs.step_costs_for(model, sizes=(1, 2, 4))[1]["source"] == "measured"
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 3
+    path = step_costs.cache_path(step_costs.cache_key(model, (1, 2, 4)))
+    saved = json.loads(path.read_text())
+    saved["measured_at"] = time.time() - (step_costs.MAX_AGE_DAYS + 1) * 86400
+    path.write_text(json.dumps(saved))
+    assert step_costs.step_costs_for(model, sizes=(1, 2, 4))[1]["source"] == "measured" and len(calls) == 4
+    path.write_text("not json")
+    assert step_costs.step_costs_for(model, sizes=(1, 2, 4))[1]["source"] == "measured" and len(calls) == 5

@@ -1,0 +1,114 @@
+"""The verify scheduler (engine/verify_schedule.py) and the online acceptance model
+(engine/acceptance.py), as pure functions.
+
+Oracles: brute force over every vector of verify lengths (the best Theta = tau * SPS(B));
+the paper's Appendix A numbers; a simulation with known per-cell acceptance rates.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from verispec.engine.acceptance import OnlineAcceptance, survival
+from verispec.engine.verify_schedule import VerifySchedule, anticipating, best_count, strict, top_k
+
+
+def _theta(surv, lengths, base, rows, sps):
+    tau = rows + sum(sum(s[:n]) for s, n in zip(surv, lengths))
+    return tau * sps(base + sum(lengths))
+
+
+def _brute(surv, base, rows, sps):
+    best = max(itertools.product(*[range(len(s) + 1) for s in surv]),
+               key=lambda ls: (_theta(surv, ls, base, rows, sps), -sum(ls)))
+    return list(best)
+
+
+def _random_case(rng):
+    rows = rng.randint(1, 3)
+    surv = [survival([rng.random() ** 0.5 for _ in range(rng.randint(0, 4))]) for _ in range(rows)]
+    base = rows + rng.choice([0, 0, 5])  # sometimes a prefill chunk shares the forward
+    slope, curve = rng.uniform(0.02, 0.6), rng.uniform(1.0, 1.6)
+
+    def sps(b):
+        return 1.0 / (1.0 + slope * (b - 1) ** curve)
+
+    return surv, base, rows, sps
+
+
+def test_the_global_search_is_the_brute_force_optimum_and_strict_finds_it_when_theta_is_unimodal():
+    rng = random.Random(0)
+    unimodal = 0
+    for _ in range(400):
+        surv, base, rows, sps = _random_case(rng)
+        opt = _brute(surv, base, rows, sps)
+        best = _theta(surv, opt, base, rows, sps)
+        ls = top_k(surv, best_count(surv, base, rows, sps))
+        assert _theta(surv, ls, base, rows, sps) == pytest.approx(best)
+        # Theta along the sorted path
+        flat = sorted((a for s in surv for a in s if a > 0), reverse=True)
+        path = [(rows + sum(flat[:k])) * sps(base + k) for k in range(len(flat) + 1)]
+        peak = path.index(max(path))
+        if all(x < y for x, y in zip(path[:peak], path[1 : peak + 1])) and \
+                all(x > y for x, y in zip(path[peak:], path[peak + 1 :])):
+            unimodal += 1
+            assert _theta(surv, strict(surv, base, rows, sps), base, rows, sps) == pytest.approx(best)
+        s = strict(surv, base, rows, sps)
+        assert all(0 <= n <= len(x) for n, x in zip(s, surv))
+        assert _theta(surv, s, base, rows, sps) >= rows * sps(base) - 1e-12  # never worse than not speculating
+    assert unimodal > 200
+
+
+def test_appendix_a():
+    """R = 1, a_1 = 0.8, SPS(1, 2, 3) = 1, 0.5, 0.45: the strict form stops at 0 before it
+    sees c_2; a search past that takes 2 drafts when x_1 makes c_2 = 0.9 and none when it
+    makes c_2 = 0, which is what biases the output."""
+    table = {1: 1.0, 2: 0.5, 3: 0.45}
+    good, bad = [survival([0.8, 0.9])], [survival([0.8, 0.0])]
+    assert strict(good, 1, 1, table.get) == [0] and strict(bad, 1, 1, table.get) == [0]
+    assert anticipating(good, 1, 1, table.get) == [2] and anticipating(bad, 1, 1, table.get) == [0]
+    assert (1 + 0.8 + 0.72) * 0.45 == pytest.approx(1.134)
+
+
+def test_prefixes_stay_contiguous_through_ties():
+    surv = [[1.0, 1.0, 1.0], [1.0, 0.5], [0.9, 0.9]]
+    for k in range(8):
+        ls = top_k(surv, k)
+        assert sum(ls) == min(k, 7)
+    assert strict(surv, 3, 3, lambda b: 1.0) == [3, 2, 2]  # free verification: everything
+
+
+def test_the_production_form_spends_the_budget_of_two_steps_ago():
+    sps = {n: 1.0 / (1 + 0.2 * (n - 1)) for n in range(1, 40)}.get
+    schedule = VerifySchedule("production", sps)
+    steps = [[survival([0.9] * 4)], [survival([0.1] * 4)], [survival([0.5] * 4)], [survival([0.9] * 4)]]
+    budgets = [best_count(s, 1, 1, sps) for s in steps]
+    chosen = [schedule.choose(s, 1, 1) for s in steps]
+    assert chosen[0] == strict(steps[0], 1, 1, sps) and chosen[1] == strict(steps[1], 1, 1, sps)
+    assert chosen[2] == top_k(steps[2], budgets[0]) and chosen[3] == top_k(steps[3], budgets[1])
+    assert budgets[0] > 0 and budgets[1] == 0 and chosen[3] == [0]
+    with pytest.raises(ValueError, match="unknown verify schedule"):
+        VerifySchedule("sometimes", sps)
+
+
+def test_the_online_table_converges_to_each_cells_rate():
+    rates = {(0, 2): 0.9, (0, 4): 0.4, (1, 2): 0.7, (1, 4): 0.2, (2, 2): 0.5, (2, 4): 0.1}
+    model = OnlineAcceptance(3)
+    rng = random.Random(1)
+    for _ in range(6000):
+        f = rng.choice([2, 4])
+        kept = 0
+        while kept < 3 and rng.random() < rates[(kept, f)]:
+            kept += 1
+        model.update([f, f, f], kept)
+    for (j, f), rate in rates.items():
+        assert model.conditional(j, f) == pytest.approx(rate, abs=0.06), (j, f)
+    # an untested position (after a rejection) does not move: rounds rejected at 0 only
+    fresh = OnlineAcceptance(3)
+    before = fresh.conditional(2, 3)
+    for _ in range(50):
+        fresh.update([3, 3, 3], 0)
+    assert fresh.conditional(2, 3) == before and fresh.conditional(0, 3) < 0.1
