@@ -37,6 +37,9 @@ def test_interpolation_and_sps_read_back_the_measured_points():
     assert costs(3) == pytest.approx(1.4)  # halfway between 2 and 4
     assert costs(12) == pytest.approx(3.0 + 4 * (3.0 - 1.6) / 4)  # the last slope continued
     assert costs.sps(4) == pytest.approx(1 / 0.016)
+    rows = StepCosts({1: 0.010, 8: 0.030}, {1: 0.0, 2: 0.001, 4: 0.004})
+    assert rows.sps(8, rows=1) == pytest.approx(1 / 0.030) and rows.sps(8, rows=3) == pytest.approx(1 / 0.0325)
+    assert rows.overhead(8) == pytest.approx(0.004 + 4 * (0.003 / 2))  # the last slope continued
     assert [r["tokens"] for r in costs.table()] == [1, 2, 4, 8]
     assert monotone({1: 2.0, 2: 1.5, 3: 3.0, 4: 2.5}) == {1: 2.0, 2: 2.0, 3: 3.0, 4: 3.0}
 
@@ -77,9 +80,11 @@ def test_the_table_is_cached_per_key_and_measured_again_when_stale(model, monkey
 
     monkeypatch.setattr(step_costs, "measure_step_costs", counting)
     first, info = step_costs.step_costs_for(model, sizes=(1, 2, 4))
+    assert set(first.row_overhead) == set(step_costs.ROWS) and all(o >= 0 for o in first.row_overhead.values())
     assert info["source"] == "measured" and len(calls) == 1
     again, info2 = step_costs.step_costs_for(model, sizes=(1, 2, 4))
     assert info2["source"] == "cache" and len(calls) == 1 and again.seconds == first.seconds
+    assert again.row_overhead == first.row_overhead
     assert all(b >= a for a, b in zip(first.cost, first.cost[1:]))  # monotone as stored
     step_costs.step_costs_for(model, sizes=(1, 2, 4), refresh=True)
     assert len(calls) == 2
@@ -90,7 +95,7 @@ def test_the_table_is_cached_per_key_and_measured_again_when_stale(model, monkey
     finally:
         torch.set_num_threads(threads)
     assert len(calls) == 3
-    path = step_costs.cache_path(step_costs.cache_key(model, (1, 2, 4)))
+    path = step_costs.cache_path(step_costs.cache_key(model, (1, 2, 4), step_costs.ROWS))
     saved = json.loads(path.read_text())
     saved["measured_at"] = time.time() - (step_costs.MAX_AGE_DAYS + 1) * 86400
     path.write_text(json.dumps(saved))

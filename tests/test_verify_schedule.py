@@ -83,7 +83,7 @@ def test_prefixes_stay_contiguous_through_ties():
 
 def test_the_production_form_spends_the_budget_of_two_steps_ago():
     sps = {n: 1.0 / (1 + 0.2 * (n - 1)) for n in range(1, 40)}.get
-    schedule = VerifySchedule("production", sps)
+    schedule = VerifySchedule("production", lambda b, rows: sps(b))
     steps = [[survival([0.9] * 4)], [survival([0.1] * 4)], [survival([0.5] * 4)], [survival([0.9] * 4)]]
     budgets = [best_count(s, 1, 1, sps) for s in steps]
     chosen = [schedule.choose(s, 1, 1) for s in steps]
@@ -91,7 +91,7 @@ def test_the_production_form_spends_the_budget_of_two_steps_ago():
     assert chosen[2] == top_k(steps[2], budgets[0]) and chosen[3] == top_k(steps[3], budgets[1])
     assert budgets[0] > 0 and budgets[1] == 0 and chosen[3] == [0]
     with pytest.raises(ValueError, match="unknown verify schedule"):
-        VerifySchedule("sometimes", sps)
+        VerifySchedule("sometimes", lambda b, rows: sps(b))
 
 
 def test_the_online_table_converges_to_each_cells_rate():

@@ -83,6 +83,11 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="most draft tokens a request verifies per step (default 8); fewer are drafted when they do not pay")
     g.add_argument("--fixed-draft", action="store_true",
                    help="always draft --num-draft-tokens (turn off the cost-based draft length policy)")
+    g.add_argument("--verify-schedule", choices=["cost", "strict", "production"], default=None,
+                   help="how many drafted tokens each request verifies per step: cost (default: each row's "
+                        "cost-based policy), strict (DSpark's Algorithm 1 across the step's rows: maximize expected "
+                        "tokens x measured steps/s, stopping at the first draft that does not pay), production (its "
+                        "global-search form: the token budget from two steps ago, this step's most confident drafts)")
     g.add_argument("--no-forced-drafts", action="store_true",
                    help="structured output: decode the tokens a grammar forces (JSON punctuation, property names) one "
                         "step each instead of verifying them as drafts (same output, more steps; for A/B runs)")
@@ -144,10 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_dspark_parser(sub, argparse.RawDescriptionHelpFormatter)
 
-    prof = sub.add_parser("profile", help="show (or measure again) this machine's kernel choices for a model",
+    prof = sub.add_parser("profile", help="show (or measure again) this machine's kernel choices and SPS table",
                           description="The kernels verispec chose for each matrix of a model on this machine, with "
                                       "their measured times at 1 row and a verify block, and where the choice is "
-                                      "cached. The first serve or generate measures them too.")
+                                      "cached; then the SPS table of the served plan (a target forward's time and "
+                                      "steps per second by its token count, what speculation's draft length and "
+                                      "verify schedule weigh drafts against). The first serve or generate measures "
+                                      "them too.")
     prof.add_argument("--model", "-m", default=None, help="model (default: smollm2-135m-instruct)")
     prof.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     prof.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
@@ -237,7 +245,27 @@ def run_profile(args) -> int:
         print(f"\n{str(dtype).removeprefix('torch.')}{mark}: {plan.step_us / 1000:.2f} ms of kernels per decode + "
               f"verify step; cached in {kernel_plan.profile_path(plan.key)}")
         print(kernel_plan.format_plan(plan))
+    _print_sps(args)
     return 0
+
+
+def _print_sps(args) -> None:
+    """The SPS table of the served plan (what the verify scheduler weighs drafts against),
+    and whether a forward's cost depends on how many rows its tokens span."""
+    from verispec.engine import step_costs
+    from verispec.models.loader import load_for_serving
+    from verispec.models.registry import DEFAULT_MODEL
+
+    loaded = load_for_serving(args.model or DEFAULT_MODEL, args.dtype, args.kernels, args.quant, progress=False)
+    costs, info = step_costs.step_costs_for(loaded.model, refresh=args.refresh)
+    print(f"\nSPS table of the served plan ({info['source']}: {info['path']}): a target forward of B tokens")
+    print(f"{'tokens':>7}{'ms':>9}{'steps/s':>9}{'vs 1':>7}")
+    for r in costs.table():
+        print(f"{r['tokens']:>7}{r['ms']:>9.2f}{r['steps_per_s']:>9.1f}{r['relative']:>6.2f}x")
+    one = step_costs.measure(loaded.model, sizes=(8,), rows=1)[8]
+    spread = step_costs.measure(loaded.model, sizes=(8,), rows=8)[8]
+    print(f"8 tokens as one row's verify block: {one * 1e3:.2f} ms; as 8 rows of 1: {spread * 1e3:.2f} ms "
+          f"({spread / one:.2f}x)")
 
 
 if __name__ == "__main__":

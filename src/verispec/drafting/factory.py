@@ -89,6 +89,8 @@ def load_draft_model(target, name: str, dtype, label: str | None = None) -> Draf
 def engine_options(args) -> dict:
     """EngineConfig fields from the speculation flags."""
     options = {"adaptive_draft": not args.fixed_draft, "forced_drafts": not getattr(args, "no_forced_drafts", False)}
+    if getattr(args, "verify_schedule", None):
+        options["verify_schedule"] = args.verify_schedule
     threshold = getattr(args, "confidence_threshold", None)
     if threshold is not None and not 0 <= threshold < 1:
         raise UserError(f"--confidence-threshold must be in [0, 1), got {threshold}")

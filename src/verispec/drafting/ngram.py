@@ -35,7 +35,8 @@ class NgramSource(DraftSource):
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
             hit = self.index.get(tuple(tokens[end - n :]))
             if hit is not None:
-                return Draft(tokens[hit : hit + max_n])
+                proposal = tokens[hit : hit + max_n]
+                return Draft(proposal, feature=[n] * len(proposal))  # longer matches are surer
         return Draft()
 
     def _index_until(self, tokens: list[int], stop: int) -> None:

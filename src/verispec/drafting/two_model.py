@@ -103,7 +103,7 @@ class TwoModelProvider(DraftProvider):
         return TwoModelSource(self, context)
 
     def draft_costs(self, target_costs) -> tuple[float, float]:
-        from verispec.engine.draft_length import measure_step_costs
+        from verispec.engine.step_costs import measure_step_costs
 
         return 0.0, measure_step_costs(self.model, sizes=(1, 2)).base_seconds / target_costs.base_seconds
 
@@ -140,7 +140,10 @@ class TwoModelProvider(DraftProvider):
                 out.append(Draft())
                 continue
             # the last drafted token was never fed: the draft cache holds pending + drafts[:-1]
-            out.append(Draft(drafts[id(source)], torch.stack(dists[id(source)])))
+            q = torch.stack(dists[id(source)])
+            tokens = drafts[id(source)]
+            own = q[torch.arange(len(tokens), device=q.device), torch.tensor(tokens, device=q.device)].tolist()  # own pick
+            out.append(Draft(tokens, q, feature=[min(9, int(p * 10)) for p in own]))
         return out
 
     def _catch_up(self, source: TwoModelSource, feed: list[int]) -> list[int]:

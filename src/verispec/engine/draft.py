@@ -23,7 +23,8 @@ per request. The engine talks to sources in the order tokens move through a row:
 None when the provider asks for none; the target computes them in the same forward, so a
 source that needs none costs nothing.
 
-A `Draft` carries the proposed tokens and, when the source sampled them from a
+A `Draft` carries the proposed tokens, what engine/acceptance.py needs to estimate each
+one's acceptance (the source's own calibrated confidence, or a feature), and, when the source sampled them from a
 distribution, that distribution `q` per position, processed by the request's own
 processors (temperature, top-k/p, min-p, penalties) exactly as the target's `p` is, so
 speculative sampling can use min(1, p/q). A source without `q` (n-gram) proposes tokens
@@ -60,9 +61,23 @@ class Draft:
     tokens: list[int] = field(default_factory=list)
     q: torch.Tensor | None = None  # [len(tokens), V] float32 probabilities each token was drawn from
     forced: bool = False  # the row's grammar forced these tokens; no source drafted them
+    # per position P(accepted | the drafts before it accepted), where the source knows it
+    # (a DSpark confidence head, calibrated); else engine/acceptance.py estimates it
+    confidence: list[float] | None = None
+    # per position, what engine/acceptance.py keys its estimate by (n-gram: the match
+    # length; a draft model: its own probability in tenths)
+    feature: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def truncated(self, n: int) -> "Draft":
+        """The first n drafts (what the verify scheduler sends)."""
+        if n >= len(self.tokens):
+            return self
+        return Draft(self.tokens[:n], None if self.q is None else self.q[:n], self.forced,
+                     None if self.confidence is None else self.confidence[:n],
+                     None if self.feature is None else self.feature[:n])
 
 
 @dataclass
@@ -143,7 +158,20 @@ class DraftStats:
     forced_accepted: int = 0
     rounds: int = 0  # decode steps (target forwards) of this row
     emitted: int = 0  # tokens those steps produced (kept drafts + the token after them)
+    offered: int = 0  # drafts the source proposed where the verify scheduler chose how many to send
     estimate: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    # per draft position: rounds that tested it (the drafts before it kept), and kept it
+    tested_at: list[int] = field(default_factory=list)
+    kept_at: list[int] = field(default_factory=list)
+
+    def record_positions(self, drafted: int, kept: int) -> None:
+        need = min(drafted, kept + 1)
+        while len(self.tested_at) < need:
+            self.tested_at.append(0)
+            self.kept_at.append(0)
+        for j in range(need):
+            self.tested_at[j] += 1
+            self.kept_at[j] += j < kept
 
     def record(self, draft: Draft, n_emitted: int) -> None:
         """One decode round: `draft` was verified and `n_emitted` tokens came out."""
@@ -158,10 +186,13 @@ class DraftStats:
     def usage(self) -> dict:
         forced = {"forced_drafted": self.forced_drafted, "forced_accepted": self.forced_accepted} \
             if self.forced_drafted else {}
+        scheduled = {"offered": self.offered} if self.offered else {}
         return {
-            "drafted": self.drafted,
+            "drafted": self.drafted,  # the tokens sent to verification
             "accepted": self.accepted,
             **forced,
+            **scheduled,
+            "acceptance_by_position": [round(k / t, 4) for k, t in zip(self.kept_at, self.tested_at)],
             "rounds": self.rounds,
             # tokens per target forward, the bonus token included (DeepSpec's tau)
             "mean_accepted_length": round(self.emitted / self.rounds, 3) if self.rounds else 0.0,

@@ -11,9 +11,8 @@ The cost policy: only as many as are expected to pay.
 
 A row whose drafts are accepted with probability `a` each (given the ones before were)
 emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per step with k drafts. The step costs more:
-the target forward grows from the batch's `n` decode tokens to n + k (measured once per
-engine by `measure_step_costs`: on a 2-core CPU one extra token costs ~15% of a step and
-each further one ~3%; on a GPU nearly nothing), plus whatever producing the drafts costs
+the target forward grows from the batch's `n` decode tokens to n + k (the SPS table of
+engine/step_costs.py, measured once per machine and cached), plus whatever producing the drafts costs
 (`draft_cost_fixed` per drafting round, as a DSpark backbone pass, and
 `draft_cost_per_token`, as a draft model's forwards; in single-token target steps; 0 for
 n-gram lookup), and that slows down every row of the batch. The policy picks the k that maximizes the step's
@@ -30,10 +29,9 @@ after `PROBE_EVERY` steps, and after each probe that changes nothing twice as lo
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
-import torch
+from verispec.engine.step_costs import StepCosts, measure_step_costs  # noqa: F401 - re-exported
 
 PRIOR_ACCEPT = 0.5  # the estimate a row starts from ...
 PRIOR_WEIGHT = 4.0  # ... worth this many drafted tokens of evidence
@@ -76,30 +74,6 @@ def expected_tokens(a: float, k: int) -> float:
     return (1 - a ** (k + 1)) / (1 - a)
 
 
-class StepCosts:
-    """Relative cost of a target forward over n decode tokens (n = 1 costs 1.0),
-    interpolated between measured points; beyond the last point, linear."""
-
-    def __init__(self, points: dict[int, float]):
-        self.n = sorted(points)
-        self.base_seconds = points[self.n[0]]  # the smallest measured forward, in seconds
-        self.cost = [points[n] / self.base_seconds for n in self.n]
-
-    def __call__(self, n: int) -> float:
-        ns, cs = self.n, self.cost
-        if n <= ns[0]:
-            return cs[0]
-        for (n0, c0), (n1, c1) in zip(zip(ns, cs), zip(ns[1:], cs[1:])):
-            if n <= n1:
-                return c0 + (c1 - c0) * (n - n0) / (n1 - n0)
-        slope = (cs[-1] - cs[-2]) / (ns[-1] - ns[-2])
-        return cs[-1] + slope * (n - ns[-1])
-
-    @classmethod
-    def flat(cls) -> "StepCosts":
-        return cls({1: 1.0, 2: 1.0})
-
-
 class CostPolicy:
     def __init__(self, max_draft: int, costs: StepCosts, draft_cost_fixed: float = 0.0, draft_cost_per_token: float = 0.0):
         self.max_draft = max_draft
@@ -134,43 +108,18 @@ class CostPolicy:
         return best_k
 
 
-@torch.inference_mode()
-def measure_step_costs(model, sizes=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), context: int = 64,
-                       repeats: int = 3) -> StepCosts:
-    """Time a target forward of n tokens after a short context, for each n (best of
-    `repeats`). About a second on a 2-core CPU for a 135M model."""
-    from verispec.models.decoder import BatchKV
-
-    cache = model.new_cache()
-    seq = cache.allocate(context + max(sizes) + 1)
-    ids = torch.randint(0, model.args.vocab_size, (context + max(sizes),), device=model.device)
-    model(ids[:context], BatchKV([seq], [context]))
-    points = {}
-    for n in sizes:
-        best = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            model(ids[context : context + n], BatchKV([seq], [n]), logits_at=torch.arange(n, device=model.device))
-            if model.device.type == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t)
-            seq.rollback(n)
-        points[n] = best
-    cache.release(seq)
-    # costs never fall with more tokens; timing noise can say otherwise
-    running = 0.0
-    for n in sizes:
-        running = points[n] = max(points[n], running)
-    return StepCosts(points)
-
-
 class DraftLength:
     def __init__(self, cap: int, provider_max: int, costs: StepCosts | None = None, adaptive: bool = True,
-                 draft_costs: tuple[float, float] = (0.0, 0.0)):
+                 draft_costs: tuple[float, float] = (0.0, 0.0), ask_all: bool = False):
         self.cap = cap  # the engine's --num-draft-tokens: forced drafts too
         self.max_draft = max(0, min(cap, provider_max))  # what the provider may be asked for
         self.adaptive = adaptive and costs is not None
         self.policy = CostPolicy(self.max_draft, costs or StepCosts.flat(), *draft_costs)
+        # under the verify scheduler (engine/verify_schedule.py) a row asks for its whole
+        # allowance and the scheduler chooses how many to verify; a source whose drafting
+        # costs (a DSpark pass, a draft model) still drafts only where the policy says it pays
+        self.ask_all = ask_all
+        self.free_drafts = draft_costs == (0.0, 0.0)
 
     @staticmethod
     def room(row) -> int:
@@ -189,4 +138,7 @@ class DraftLength:
             return 0
         if not self.adaptive or row.params.seed is not None:
             return limit
-        return self.policy.choose(row.draft_stats.estimate, batch_tokens, limit)
+        if self.ask_all and self.free_drafts:
+            return limit
+        k = self.policy.choose(row.draft_stats.estimate, batch_tokens, limit)
+        return limit if self.ask_all and k > 0 else k

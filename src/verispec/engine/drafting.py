@@ -22,8 +22,11 @@ from __future__ import annotations
 import logging
 import os
 
+from verispec.engine.acceptance import OnlineAcceptance, survival
 from verispec.engine.draft import Draft, DraftProvider, DraftStats, Hidden, NoDrafter, SourceContext
 from verispec.engine.draft_length import AcceptanceEstimate, DraftLength
+from verispec.engine.metrics import Histogram
+from verispec.engine.verify_schedule import VerifySchedule
 
 log = logging.getLogger("verispec.drafting")
 
@@ -35,11 +38,15 @@ def speculation_enabled() -> bool:
 
 
 class Drafting:
-    def __init__(self, provider: DraftProvider, length: DraftLength, forced_drafts: bool = True):
+    def __init__(self, provider: DraftProvider, length: DraftLength, forced_drafts: bool = True,
+                 schedule: VerifySchedule | None = None):
         self.provider = provider
         self.active = not isinstance(provider, NoDrafter)  # a real source drafts
         self.length = length
         self.forced_drafts = forced_drafts
+        # Algorithm 1 across the step's rows (None or mode "cost": each row's cost policy alone)
+        self.schedule = schedule if schedule is not None and schedule.active else None
+        self.online = OnlineAcceptance(max(1, length.cap))  # confidences for sources without a head
         # per draft position j, over all rows: rounds that proposed a token there, that
         # tested it (every draft before it was kept), and that kept it
         width = max(1, length.max_draft)
@@ -48,6 +55,8 @@ class Drafting:
         self.accepted_at = [0] * width
         self.totals = DraftStats()  # over all rows (Prometheus counters, /stats)
         self.pool = AcceptanceEstimate()  # recent acceptance over all rows: new rows start from it
+        # drafted tokens each speculating row sent to verification per step (/metrics)
+        self.verify_lengths = Histogram(tuple(float(n) for n in range(0, width + 1)))
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -62,8 +71,8 @@ class Drafting:
     def attach(self, row) -> None:
         """Give an admitted row its source and stats."""
         row.draft_stats = DraftStats(estimate=self.pool.prior())
-        if not self.active:
-            return
+        if not self.active or not row.request.speculation:
+            return  # no source: the row decodes plainly (its grammar may still force tokens)
         try:
             row.source = self.provider.new_source(
                 SourceContext(row.request.prompt_ids, row.output, row.params, row.request.max_tokens))
@@ -75,8 +84,10 @@ class Drafting:
     def prefill(self, row, tokens: list[int], hidden: Hidden | None) -> None:
         self._call(row, "prefill", tokens, hidden)
 
-    def drafts(self, rows, batch_tokens: int) -> list[Draft]:
-        """Each decoding row's draft this step (an empty Draft where it drafts nothing)."""
+    def drafts(self, rows, batch_tokens: int, batch_rows: int | None = None) -> list[Draft]:
+        """Each decoding row's draft this step (an empty Draft where it drafts nothing).
+        `batch_tokens` / `batch_rows`: the forward's tokens and rows before drafts (the
+        decoding rows' pending tokens and any prefill chunks)."""
         drafts = [self._forced(row) for row in rows]
         asks = [0 if d is not None or row.source is None else self.length.for_row(row, batch_tokens)
                 for row, d in zip(rows, drafts)]
@@ -90,6 +101,41 @@ class Drafting:
                 out.append(self._checked(row, next(proposed), k))
             else:
                 out.append(Draft())
+        if self.schedule is not None:
+            out = self._scheduled(rows, out, batch_tokens, batch_rows or len(rows))
+        return out
+
+    def conditionals(self, draft: Draft) -> list[float]:
+        """P(draft j accepted | the drafts before it accepted), per position."""
+        if draft.forced:
+            return [1.0] * len(draft)
+        if draft.confidence is not None:
+            return list(draft.confidence)
+        return self.online.confidences(draft.feature or [0] * len(draft))
+
+    def _scheduled(self, rows, drafts: list[Draft], batch_tokens: int, batch_rows: int) -> list[Draft]:
+        """Algorithm 1 over the step: how many of its drafts each row verifies. A seeded
+        row keeps its whole draft (its tokens must not depend on timings), counted as fixed."""
+        base, tau0 = batch_tokens, float(len(rows))
+        offered, index = [], []
+        for i, (row, draft) in enumerate(zip(rows, drafts)):
+            if not draft.tokens:
+                continue
+            surv = survival(self.conditionals(draft))
+            if row.params.seed is not None:
+                base += len(draft)
+                tau0 += sum(surv)
+                continue
+            offered.append(surv)
+            index.append(i)
+        if not offered:
+            return drafts
+        lengths = self.schedule.choose(offered, base, tau0, batch_rows)
+        out = list(drafts)
+        for i, n in zip(index, lengths):
+            rows[i].draft_stats.offered += len(drafts[i])
+            self.totals.offered += len(drafts[i])
+            out[i] = drafts[i].truncated(n)
         return out
 
     def commit(self, row, draft: Draft, emitted: list[int], hidden: Hidden | None) -> None:
@@ -97,9 +143,15 @@ class Drafting:
         kept = len(emitted) - 1
         for stats in (row.draft_stats, self.totals):
             stats.record(draft, len(emitted))
+        if row.source is not None:
+            self.verify_lengths.observe(float(len(draft)))
         # forced drafts say nothing about the source: its acceptance estimate (which sizes
         # its drafts) and the per-position curve count only what it proposed
         if draft.tokens and not draft.forced:
+            if draft.confidence is None:
+                self.online.update(draft.feature or [0] * len(draft), kept)
+            for stats in (row.draft_stats, self.totals):
+                stats.record_positions(len(draft), kept)
             row.draft_stats.estimate.update(len(draft), kept)
             self.pool.update(len(draft), kept, memory=POOL_MEMORY)
             for j in range(len(draft)):
@@ -136,6 +188,7 @@ class Drafting:
             "provider": self.provider.describe(),
             "max_draft_tokens": self.length.max_draft,
             "adaptive": self.length.adaptive,
+            "verify_schedule": "cost" if self.schedule is None else self.schedule.mode,
             **self.totals.usage(),
             # P(draft j kept | drafts before it kept): the paper's conditional acceptance
             "per_position_acceptance": [round(a / r, 4) if r else None for a, r in zip(self.accepted_at, self.reached_at)],

@@ -61,7 +61,9 @@ from verispec.engine.request import (
 )
 from verispec.engine import runner
 from verispec.engine.draft import MAX_DRAFT_TOKENS, DraftProvider, NoDrafter
-from verispec.engine.draft_length import DraftLength, measure_step_costs
+from verispec.engine.draft_length import DraftLength
+from verispec.engine.step_costs import step_costs_for
+from verispec.engine.verify_schedule import MODES as VERIFY_SCHEDULES, VerifySchedule
 from verispec.engine.drafting import Drafting, speculation_enabled
 from verispec.engine.row import Row, RowState
 from verispec.engine.runner import Work
@@ -95,6 +97,9 @@ class EngineConfig:
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS  # most drafts a row verifies per step
     adaptive_draft: bool = True  # draft only as much as pays (engine/draft_length.py); False: always the most
     forced_drafts: bool = True  # a grammar row drafts the tokens its grammar forces (up to num_draft_tokens)
+    # how many drafted tokens each row verifies: "cost" (each row's cost policy alone),
+    # "strict" / "production" (DSpark's Algorithm 1 across the step: engine/verify_schedule.py)
+    verify_schedule: str = "cost"
 
     def __post_init__(self):
         for name in ("max_rows", "prefill_chunk", "idle_prefill_chunk", "max_waiting", "num_draft_tokens"):
@@ -104,6 +109,8 @@ class EngineConfig:
             raise ValueError(f"num_draft_tokens is at most {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}")
         if self.kv_budget is not None and self.kv_budget <= 0:
             raise ValueError(f"kv_budget must be positive, got {self.kv_budget}")
+        if self.verify_schedule not in VERIFY_SCHEDULES and self.verify_schedule != "anticipating":
+            raise ValueError(f"verify_schedule is one of {', '.join(VERIFY_SCHEDULES)}, got {self.verify_schedule!r}")
 
 
 def default_kv_budget(device: torch.device) -> int:
@@ -148,10 +155,14 @@ class Engine:
             drafter = None
         provider = drafter or NoDrafter()
         adaptive = self.config.adaptive_draft and drafter is not None
-        costs = measure_step_costs(self.model) if adaptive else None
+        scheduled = self.config.verify_schedule != "cost" and (drafter is not None or self.config.forced_drafts)
+        self.step_costs = step_costs_for(self.model)[0] if adaptive or scheduled else None
+        costs = self.step_costs
         length = DraftLength(self.config.num_draft_tokens, provider.max_draft, costs, adaptive,
-                             provider.draft_costs(costs) if adaptive else (0.0, 0.0))
-        return Drafting(provider, length, self.config.forced_drafts)
+                             provider.draft_costs(costs) if costs is not None and drafter is not None else (0.0, 0.0),
+                             ask_all=scheduled)
+        schedule = VerifySchedule(self.config.verify_schedule, costs.sps) if scheduled else None
+        return Drafting(provider, length, self.config.forced_drafts, schedule)
 
     # -- API (any thread) -----------------------------------------------------------
 
@@ -305,6 +316,7 @@ class Engine:
             "steps": m.steps,
             "uptime_s": round(time.time() - self.started_at, 1),
             "speculation": self.drafting.stats(),
+            "sps_table": None if self.step_costs is None else self.step_costs.table(),
             "forced_drafts": {"enabled": self.config.forced_drafts, "drafted": self.drafting.totals.forced_drafted,
                               "accepted": self.drafting.totals.forced_accepted},
         }
@@ -329,7 +341,7 @@ class Engine:
         for row in plan.admitted:
             drafting.attach(row)
         batch_tokens = len(plan.decode) + sum(c.stop - c.start for c in plan.prefill)
-        drafts = drafting.drafts(plan.decode, batch_tokens)
+        drafts = drafting.drafts(plan.decode, batch_tokens, len(plan.decode) + len(plan.prefill))
         work = [Work.decoding(row, draft) for row, draft in zip(plan.decode, drafts)]
         work += [Work.prefilling(chunk) for chunk in plan.prefill]
         done = runner.forward(self.model, work, drafting.taps, self._fail)

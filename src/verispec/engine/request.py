@@ -39,6 +39,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     grammar: object | None = None  # a compiled grammar (grammar/backend.py CompiledGrammar): structured output
+    speculation: bool = True  # False: this request decodes without a draft source (its grammar may still force)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 

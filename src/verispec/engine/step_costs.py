@@ -10,9 +10,12 @@ kernel plan, dtype, device, CPU, torch, threads) so restarts reuse it. An entry 
 `MAX_AGE_DAYS`, or measured for another key, is measured again; `verispec profile
 --refresh` forces it. `verispec profile` and `/stats` show it.
 
-Whether the rows a forward spans matter: on this CPU a forward of 8 tokens as one row's
-verify block and as 8 rows of 1 cost within a few percent of each other (`verispec
-profile` measures both), so the table is keyed by tokens alone.
+The rows a forward spans matter too: on a 2-core Zen 5 with the default SmolLM2 plan, 8
+tokens as one row's verify block took 19.8 ms and as 8 rows of one token 28.4 ms (each
+row has its own attention and plan; `verispec profile` prints both). So the table also
+holds a per-row overhead o(R) = t(R rows of 1 token) - t(one row of R tokens), measured
+for R up to 16 and interpolated, and a forward of B tokens over R rows costs
+t(B) + o(R). Within a step R is fixed; the scheduler compares lengths at that R.
 
 Oracle: tests/test_step_costs.py (monotone, median, interpolation against the measured
 points, the cache reused and invalidated by its key and age).
@@ -29,10 +32,11 @@ from pathlib import Path
 import torch
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 24, 32, 48, 64)
+ROWS = (1, 2, 4, 8, 16)
 REPEATS = 5
 CONTEXT = 64
 MAX_AGE_DAYS = 7
-VERSION = 1
+VERSION = 2
 
 
 class StepCosts:
@@ -40,11 +44,13 @@ class StepCosts:
     between measured points; beyond the last point, linear. `seconds` keeps the measured
     times (the SPS table is their inverse)."""
 
-    def __init__(self, points: dict[int, float]):
+    def __init__(self, points: dict[int, float], row_overhead: dict[int, float] | None = None):
         self.seconds = {int(n): float(s) for n, s in sorted(points.items())}
         self.n = list(self.seconds)
         self.base_seconds = self.seconds[self.n[0]]  # the smallest measured forward, in seconds
         self.cost = [self.seconds[n] / self.base_seconds for n in self.n]
+        # seconds a forward spends per extra row, by row count (1 row: none)
+        self.row_overhead = {int(r): max(0.0, float(o)) for r, o in sorted((row_overhead or {1: 0.0}).items())}
 
     def __call__(self, n: int) -> float:
         ns, cs = self.n, self.cost
@@ -56,13 +62,29 @@ class StepCosts:
         slope = (cs[-1] - cs[-2]) / (ns[-1] - ns[-2])
         return cs[-1] + slope * (n - ns[-1])
 
-    def sps(self, n: int) -> float:
-        """Steps per second of a forward of n tokens."""
-        return 1.0 / (self(n) * self.base_seconds)
+    def overhead(self, rows: int) -> float:
+        rs = list(self.row_overhead)
+        if rows <= rs[0]:
+            return self.row_overhead[rs[0]]
+        for r0, r1 in zip(rs, rs[1:]):
+            if rows <= r1:
+                o0, o1 = self.row_overhead[r0], self.row_overhead[r1]
+                return o0 + (o1 - o0) * (rows - r0) / (r1 - r0)
+        if len(rs) == 1:
+            return self.row_overhead[rs[0]]
+        slope = (self.row_overhead[rs[-1]] - self.row_overhead[rs[-2]]) / (rs[-1] - rs[-2])
+        return self.row_overhead[rs[-1]] + slope * (rows - rs[-1])
+
+    def sps(self, n: int, rows: int = 1) -> float:
+        """Steps per second of a forward of n tokens spanning `rows` rows."""
+        return 1.0 / (self(n) * self.base_seconds + self.overhead(rows))
 
     def table(self) -> list[dict]:
         return [{"tokens": n, "ms": round(s * 1e3, 3), "steps_per_s": round(1.0 / s, 1), "relative": round(c, 3)}
                 for (n, s), c in zip(self.seconds.items(), self.cost)]
+
+    def row_table(self) -> list[dict]:
+        return [{"rows": r, "overhead_ms": round(o * 1e3, 3)} for r, o in self.row_overhead.items()]
 
     @classmethod
     def flat(cls) -> "StepCosts":
@@ -109,12 +131,23 @@ def measure(model, sizes=SIZES, context: int = CONTEXT, repeats: int = REPEATS, 
     return points
 
 
-def measure_step_costs(model, sizes=SIZES, context: int = CONTEXT, repeats: int = REPEATS) -> StepCosts:
-    """About a second on a 2-core CPU for a 135M model."""
-    return StepCosts(monotone(measure(model, sizes, context, repeats)))
+def measure_step_costs(model, sizes=SIZES, context: int = CONTEXT, repeats: int = REPEATS,
+                       rows=ROWS) -> StepCosts:
+    """A few seconds on a 2-core CPU for a 135M model."""
+    points = monotone(measure(model, sizes, context, repeats))
+    costs = StepCosts(points)
+    overhead = {1: 0.0}
+    for r in rows:
+        if r > 1:
+            spread = measure(model, (r,), context, repeats, rows=r)[r]
+            overhead[r] = max(0.0, spread - costs(r) * costs.base_seconds)
+    running = 0.0
+    for r in sorted(overhead):  # more rows never cost less
+        running = overhead[r] = max(overhead[r], running)
+    return StepCosts(points, overhead)
 
 
-def cache_key(model, sizes=SIZES) -> dict:
+def cache_key(model, sizes=SIZES, rows=ROWS) -> dict:
     from verispec.models.kernel_plan import cpu_name
 
     plan = getattr(model, "kernel_plan", None)
@@ -124,7 +157,7 @@ def cache_key(model, sizes=SIZES) -> dict:
             "shapes": [a.num_layers, a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads, a.head_dim,
                        a.vocab_size],
             "plan": None if plan is None else {"linear": plan.linear, "key": plan.key},
-            "sizes": list(sizes), "context": CONTEXT}
+            "sizes": list(sizes), "rows": list(rows), "context": CONTEXT}
 
 
 def cache_path(key: dict) -> Path:
@@ -134,22 +167,23 @@ def cache_path(key: dict) -> Path:
     return cache_dir() / "profiles" / f"sps-{digest}.json"
 
 
-def step_costs_for(model, refresh: bool = False, sizes=SIZES) -> tuple[StepCosts, dict]:
+def step_costs_for(model, refresh: bool = False, sizes=SIZES, rows=ROWS) -> tuple[StepCosts, dict]:
     """The cached SPS table for this model on this machine, measured when missing, stale
     or asked to (`refresh`); also what happened (`source`: cache or measured, `path`)."""
-    key = cache_key(model, sizes)
+    key = cache_key(model, sizes, rows)
     path = cache_path(key)
     if not refresh and path.is_file():
         try:
             saved = json.loads(path.read_text())
             fresh = time.time() - saved["measured_at"] < MAX_AGE_DAYS * 86400
             if saved["key"] == json.loads(json.dumps(key, default=str)) and fresh:
-                return StepCosts({int(n): s for n, s in saved["seconds"].items()}), \
-                    {"source": "cache", "path": str(path), "measured_at": saved["measured_at"]}
+                costs = StepCosts({int(n): s for n, s in saved["seconds"].items()},
+                                  {int(r): o for r, o in saved["row_overhead"].items()})
+                return costs, {"source": "cache", "path": str(path), "measured_at": saved["measured_at"]}
         except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable: measure again
-    costs = measure_step_costs(model, sizes)
-    record = {"key": key, "measured_at": time.time(), "seconds": costs.seconds}
+    costs = measure_step_costs(model, sizes, rows=rows)
+    record = {"key": key, "measured_at": time.time(), "seconds": costs.seconds, "row_overhead": costs.row_overhead}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

@@ -47,9 +47,9 @@ def _entries(survival: list[list[float]]) -> list[tuple[float, int, int]]:
     return out
 
 
-def strict(survival: list[list[float]], base_tokens: int, decoding_rows: int, sps: Callable[[int], float]) -> list[int]:
+def strict(survival: list[list[float]], base_tokens: int, tau0: float, sps: Callable[[int], float]) -> list[int]:
     lengths = [0] * len(survival)
-    b, tau = base_tokens, float(decoding_rows)
+    b, tau = base_tokens, float(tau0)
     best = tau * sps(b)
     for a, j, r in _entries(survival):
         theta = (tau + a) * sps(b + 1)
@@ -61,9 +61,9 @@ def strict(survival: list[list[float]], base_tokens: int, decoding_rows: int, sp
     return lengths
 
 
-def best_count(survival: list[list[float]], base_tokens: int, decoding_rows: int, sps: Callable[[int], float]) -> int:
+def best_count(survival: list[list[float]], base_tokens: int, tau0: float, sps: Callable[[int], float]) -> int:
     """The number of sorted entries whose prefix maximizes Theta (global search, no early stop)."""
-    b, tau = base_tokens, float(decoding_rows)
+    b, tau = base_tokens, float(tau0)
     best, best_k = tau * sps(b), 0
     for k, (a, _, _) in enumerate(_entries(survival), 1):
         b, tau = b + 1, tau + a
@@ -80,16 +80,18 @@ def top_k(survival: list[list[float]], k: int) -> list[int]:
     return lengths
 
 
-def anticipating(survival: list[list[float]], base_tokens: int, decoding_rows: int,
+def anticipating(survival: list[list[float]], base_tokens: int, tau0: float,
                  sps: Callable[[int], float]) -> list[int]:
     """NOT lossless at T > 0 (the tests' negative control): this step's own global search."""
-    return top_k(survival, best_count(survival, base_tokens, decoding_rows, sps))
+    return top_k(survival, best_count(survival, base_tokens, tau0, sps))
 
 
 class VerifySchedule:
-    """The engine's scheduler state (the production form's history)."""
+    """The engine's scheduler state (the production form's history). `sps(B, rows)` is the
+    SPS table (engine/step_costs.py StepCosts.sps); a step's row count is fixed while its
+    lengths are chosen."""
 
-    def __init__(self, mode: str, sps: Callable[[int], float]):
+    def __init__(self, mode: str, sps: Callable[[int, int], float]):
         if mode not in MODES and mode != "anticipating":
             raise ValueError(f"unknown verify schedule {mode!r}; choose one of {', '.join(MODES)}")
         self.mode = mode
@@ -101,15 +103,20 @@ class VerifySchedule:
     def active(self) -> bool:
         return self.mode != "cost"
 
-    def choose(self, survival: list[list[float]], base_tokens: int, decoding_rows: int) -> list[int]:
+    def choose(self, survival: list[list[float]], base_tokens: int, tau0: float, rows: int = 1) -> list[int]:
+        """Lengths for the offered rows: `base_tokens` in the forward without their drafts,
+        `tau0` the tokens it yields for sure (one per decoding row, plus the expectation of
+        drafts that are not the scheduler's to cut), `rows` the rows it spans."""
+        def sps(b: int) -> float:
+            return self.sps(b, rows)
+
         if self.mode == "strict":
-            lengths = strict(survival, base_tokens, decoding_rows, self.sps)
+            lengths = strict(survival, base_tokens, tau0, sps)
         elif self.mode == "anticipating":
-            lengths = anticipating(survival, base_tokens, decoding_rows, self.sps)
+            lengths = anticipating(survival, base_tokens, tau0, sps)
         else:  # production: the budget two steps old, this step's ranking
             budget = self.history[0] if len(self.history) == 2 else None
-            self.history.append(best_count(survival, base_tokens, decoding_rows, self.sps))
-            lengths = strict(survival, base_tokens, decoding_rows, self.sps) if budget is None \
-                else top_k(survival, budget)
+            self.history.append(best_count(survival, base_tokens, tau0, sps))
+            lengths = strict(survival, base_tokens, tau0, sps) if budget is None else top_k(survival, budget)
         self.chosen = sum(lengths)
         return lengths

@@ -71,6 +71,12 @@ def render(engine: Engine, http_requests: Counter, grammar_cache: dict | None = 
                  "P(draft at position j accepted | drafts before it accepted).",
                  [({"position": str(j)}, a / r) for j, (a, r) in enumerate(zip(drafting.accepted_at, drafting.reached_at))
                   if r])
+        w.histogram("verispec_spec_verify_tokens", "Drafted tokens a speculating row sent to verification per step "
+                    "(what the verify schedule chose).", drafting.verify_lengths)
+    if stats.get("sps_table"):
+        w.metric("verispec_sps_steps_per_second", "gauge",
+                 "The SPS table: target forwards per second at this many tokens (measured at start, cached).",
+                 [({"tokens": str(r["tokens"])}, r["steps_per_s"]) for r in stats["sps_table"]])
     w.metric("verispec_forced_drafted_tokens_total", "counter",
              "Structured output: tokens a grammar forced, verified as drafts.", [({}, t.forced_drafted)])
     w.metric("verispec_forced_accepted_tokens_total", "counter", "Forced drafts accepted.", [({}, t.forced_accepted)])

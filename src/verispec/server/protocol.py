@@ -128,6 +128,9 @@ class SamplingFields(GuidedFields):
     min_p: Probability | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] | None = None
     ignore_eos: bool = False
+    # verispec: false decodes this request without a draft source (same output; for A/B
+    # runs, or text a drafter only slows down). Grammar-forced tokens are still verified.
+    speculation: bool = True
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -274,5 +277,6 @@ def build_requests(
             # choices of one seeded request differ from each other but are reproducible
             seed = None if req.seed is None else req.seed + choice
             params = sampling_params(req, logprobs, defaults, seed)
-            out.append(GenerationRequest(list(prompt), limit, params, stops, req.ignore_eos, grammar))
+            out.append(GenerationRequest(list(prompt), limit, params, stops, req.ignore_eos, grammar,
+                                         speculation=req.speculation))
     return out

@@ -111,6 +111,16 @@ class DSparkProvider(DraftProvider):
         source.close()
         return best / target_costs.base_seconds, 0.0
 
+    def _calibrated(self, logits: torch.Tensor | None, n: int) -> list[float] | None:
+        """The confidence head's conditional acceptance of the first n slots, through the
+        STS temperatures where calibrate fitted them."""
+        if logits is None:
+            return None
+        x = logits[:n].float()
+        if self.temperatures is not None:
+            x = x / torch.tensor(self.temperatures[:n], dtype=torch.float32, device=x.device)
+        return torch.sigmoid(x).tolist()
+
     @torch.inference_mode()
     def draft_batch(self, requests) -> list[Draft]:
         active = [(s, p, n) for s, p, n in requests if n > 0]
@@ -127,7 +137,7 @@ class DSparkProvider(DraftProvider):
             row_conf = None if confidence is None else confidence[r]
             n = min(confident_prefix(row_conf, self.threshold, self.block_size, self.temperatures), max_n)
             q = chooser.q(r, n)
-            drafts[id(source)] = Draft(tokens[r, :n].tolist(), q)
+            drafts[id(source)] = Draft(tokens[r, :n].tolist(), q, confidence=self._calibrated(row_conf, n))
             if self.trace is not None:
                 self.trace.append({
                     "event": "propose", "source": id(source), "anchor": anchor,
