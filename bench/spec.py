@@ -173,6 +173,16 @@ def main() -> None:
             from verispec.drafting.factory import build_drafter
 
             engines[name] = make_engine(loaded, build_drafter(loaded, None, None, torch.bfloat16))
+        elif name.rsplit("-", 1)[-1] in ("strict", "production") and name.split("-")[0] in ("ngram", "dspark"):
+            # the verify scheduler (Algorithm 1) instead of the per-row cost policy
+            source, mode = name.rsplit("-", 1)
+            if source == "ngram":
+                provider = NgramProvider()
+            else:
+                from verispec.drafting.factory import build_drafter
+
+                provider = build_drafter(loaded, None, None, torch.bfloat16)
+            engines[name] = make_engine(loaded, provider, verify_schedule=mode)
         elif name == "ngram-fixed":
             engines[name] = make_engine(loaded, NgramProvider(), num_draft_tokens=8, adaptive_draft=False)
         elif name == "draft-L8":

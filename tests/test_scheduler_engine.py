@@ -187,3 +187,25 @@ def _first_two(counts):
     for key, n in counts.items():
         out[key[:2]] = out.get(key[:2], 0) + n
     return out
+
+
+def test_a_costly_source_whose_drafts_are_never_sent_backs_off(family):
+    """Where verification is too dear for any draft, the scheduler sends none, and a draft
+    model (whose drafting costs) stops drafting every step: it probes, ever more rarely."""
+    _, target, drafter_model = family
+    inner = TwoModelProvider(drafter_model, max_draft=63)
+    calls = []
+
+    class Counting(TokenDependentConfidence):
+        def draft_batch(self, requests):
+            calls.append(len(requests))
+            return inner.draft_batch(requests)
+
+    provider = Counting(inner, favourite=0)
+    provider.draft_costs = lambda costs: (0.0, 0.3)  # as a draft model's forwards cost
+    engine = Engine(target, CharTokenizer(), (), EngineConfig(kv_budget=2**30, num_draft_tokens=4,
+                                                              verify_schedule="strict"), drafter=provider)
+    engine.drafting.schedule.sps = lambda b, rows=1: 1.0 / b ** 3  # every extra token costs more than it can give
+    result = engine.generate(GenerationRequest(_repetitive_prompts(1, seed=9)[0], 60))
+    assert result.speculation["drafted"] == 0 and result.speculation["offered"] > 0
+    assert 2 <= len(calls) <= 10, calls  # two cut rounds, then probes after 8, 16, 32 steps

@@ -109,3 +109,13 @@ def test_a_checkpoint_without_temperatures_loads_identity_and_bad_ones_are_refus
     for bad in ([1.0], [0.0] * g, ["x"] * g, [float("nan")] * g, 2.0):
         with pytest.raises(DraftCheckpointError, match="confidence_temperature"):
             DSparkConfig.from_dict({**raw, "confidence_temperature": bad})
+
+
+def test_the_noise_floor_is_what_calibrated_labels_show():
+    from verispec.training.dspark.sts import ece_floor
+
+    g = torch.Generator().manual_seed(8)
+    p = torch.rand(2000, generator=g, dtype=torch.float64)
+    floors = [ece(p, torch.rand(2000, generator=g, dtype=torch.float64) < p) for _ in range(200)]
+    assert abs(ece_floor(p) - sum(floors) / len(floors)) < 0.004
+    assert ece_floor(p) > 0.01  # a few thousand rounds cannot show 1%

@@ -106,9 +106,15 @@ def test_the_online_table_converges_to_each_cells_rate():
         model.update([f, f, f], kept)
     for (j, f), rate in rates.items():
         assert model.conditional(j, f) == pytest.approx(rate, abs=0.06), (j, f)
-    # an untested position (after a rejection) does not move: rounds rejected at 0 only
+    # rounds rejected at position 0 test nothing further: positions 1 and 2 have no
+    # evidence of their own and are assumed as good as position 0 (their prior chain)
     fresh = OnlineAcceptance(3)
-    before = fresh.conditional(2, 3)
     for _ in range(50):
         fresh.update([3, 3, 3], 0)
-    assert fresh.conditional(2, 3) == before and fresh.conditional(0, 3) < 0.1
+    assert fresh.cells.keys() == {(0, 3)} and fresh.conditional(0, 3) < 0.1
+    assert fresh.conditional(2, 3) <= fresh.conditional(1, 3) <= 0.1
+    # a position never tested yet starts from the one before it, not from 1/2
+    good = OnlineAcceptance(3)
+    for _ in range(50):
+        good.update([2, 2, 2], 1)  # position 0 accepted, position 1 rejected
+    assert good.conditional(0, 2) > 0.9 and good.conditional(1, 2) < 0.2

@@ -9,10 +9,13 @@ c_j = P(draft j accepted | drafts before it accepted). Where they come from:
 * every other source (n-gram lookup, a draft model): `OnlineAcceptance`, a table fitted
   online from served traffic, keyed by (draft position, the source's feature): n-gram's
   match length, a draft model's probability for its own token in tenths
-  (`Draft.feature`, one per position). Each cell is a Beta posterior whose prior is the
-  position's pooled rate, worth `PRIOR_WEIGHT` rounds, so a fresh cell starts at what
-  that position achieves overall and moves to its own rate as evidence comes in. Counts
-  decay (`MEMORY` rounds per cell) so the table follows the traffic.
+  (`Draft.feature`, one per position). Each cell is a Beta posterior worth `PRIOR_WEIGHT`
+  rounds of prior: at position 0 the pooled rate of position 0, further on the estimate
+  of the same feature one position earlier. A position nobody has tested yet is thus
+  assumed as good as the one before it (the geometric assumption of the cost policy), so
+  the scheduler tries it when that pays and learns its real rate; with a prior of 1/2 it
+  would never be tried and never learnt. Counts decay (`MEMORY` rounds per cell) so the
+  table follows the traffic.
 
 Only rounds that tested a position count for it (every draft before it was kept), which
 is what makes the estimate conditional.
@@ -34,14 +37,13 @@ class OnlineAcceptance:
         self.pooled = [[START_RATE * PRIOR_WEIGHT, PRIOR_WEIGHT] for _ in range(self.positions)]  # [accepted, tested]
         self.cells: dict[tuple[int, int], list[float]] = {}
 
-    def _pooled_rate(self, j: int) -> float:
-        acc, n = self.pooled[min(j, self.positions - 1)]
-        return acc / n
-
     def conditional(self, j: int, feature: int) -> float:
-        prior = self._pooled_rate(j)
-        acc, n = self.cells.get((min(j, self.positions - 1), feature), (0.0, 0.0))
-        return (acc + prior * PRIOR_WEIGHT) / (n + PRIOR_WEIGHT)
+        acc, n = self.pooled[0]
+        rate = acc / n
+        for p in range(min(j, self.positions - 1) + 1):
+            acc, n = self.cells.get((p, feature), (0.0, 0.0))
+            rate = (acc + rate * PRIOR_WEIGHT) / (n + PRIOR_WEIGHT)
+        return rate
 
     def confidences(self, features: list[int]) -> list[float]:
         return [self.conditional(j, f) for j, f in enumerate(features)]

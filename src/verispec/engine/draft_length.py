@@ -37,6 +37,7 @@ PRIOR_ACCEPT = 0.5  # the estimate a row starts from ...
 PRIOR_WEIGHT = 4.0  # ... worth this many drafted tokens of evidence
 PROBE_EVERY = 8
 MAX_PROBE_EVERY = 256
+UNSENT_BEFORE_BACKOFF = 2  # rounds whose draft the verify scheduler sent none of
 
 
 @dataclass
@@ -45,6 +46,7 @@ class AcceptanceEstimate:
     rejected: float = (1 - PRIOR_ACCEPT) * PRIOR_WEIGHT
     idle_steps: int = 0  # steps without drafting since the last draft or probe
     probe_every: int = PROBE_EVERY
+    unsent: int = 0  # rounds in a row whose whole draft the verify scheduler cut
 
     @property
     def rate(self) -> float:
@@ -140,5 +142,15 @@ class DraftLength:
             return limit
         if self.ask_all and self.free_drafts:
             return limit
-        k = self.policy.choose(row.draft_stats.estimate, batch_tokens, limit)
+        estimate = row.draft_stats.estimate
+        if self.ask_all and estimate.unsent >= UNSENT_BEFORE_BACKOFF:
+            # the scheduler has been cutting this row's whole (costly) draft: draft only
+            # as a probe, ever more rarely, instead of paying for drafts nobody verifies
+            estimate.idle_steps += 1
+            if estimate.idle_steps < estimate.probe_every:
+                return 0
+            estimate.idle_steps = 0
+            estimate.probe_every = min(2 * estimate.probe_every, MAX_PROBE_EVERY)
+            return limit
+        k = self.policy.choose(estimate, batch_tokens, limit)
         return limit if self.ask_all and k > 0 else k

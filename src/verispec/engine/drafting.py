@@ -24,7 +24,7 @@ import os
 
 from verispec.engine.acceptance import OnlineAcceptance, survival
 from verispec.engine.draft import Draft, DraftProvider, DraftStats, Hidden, NoDrafter, SourceContext
-from verispec.engine.draft_length import AcceptanceEstimate, DraftLength
+from verispec.engine.draft_length import PROBE_EVERY, AcceptanceEstimate, DraftLength
 from verispec.engine.metrics import Histogram
 from verispec.engine.verify_schedule import VerifySchedule
 
@@ -133,8 +133,15 @@ class Drafting:
         lengths = self.schedule.choose(offered, base, tau0, batch_rows)
         out = list(drafts)
         for i, n in zip(index, lengths):
-            rows[i].draft_stats.offered += len(drafts[i])
+            stats = rows[i].draft_stats
+            stats.offered += len(drafts[i])
             self.totals.offered += len(drafts[i])
+            if not drafts[i].forced:  # draft_length.py backs a costly source off when nothing is sent
+                if n == 0:
+                    stats.estimate.unsent += 1
+                else:
+                    stats.estimate.unsent = 0
+                    stats.estimate.probe_every = PROBE_EVERY
             out[i] = drafts[i].truncated(n)
         return out
 

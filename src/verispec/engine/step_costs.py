@@ -36,7 +36,7 @@ ROWS = (1, 2, 4, 8, 16)
 REPEATS = 5
 CONTEXT = 64
 MAX_AGE_DAYS = 7
-VERSION = 2
+VERSION = 3
 
 
 class StepCosts:
@@ -131,16 +131,50 @@ def measure(model, sizes=SIZES, context: int = CONTEXT, repeats: int = REPEATS, 
     return points
 
 
+@torch.inference_mode()
+def _row_overhead_samples(model, rows: int, context: int, pairs: int) -> list[float]:
+    """t(rows rows of 1 token) - t(one row of `rows` tokens), timed back to back."""
+    from verispec.models.decoder import BatchKV
+
+    cache = model.new_cache()
+    seqs = [cache.allocate(context + rows + 1) for _ in range(rows + 1)]
+    ids = torch.randint(0, model.args.vocab_size, (context + rows,), device=model.device)
+    for seq in seqs:
+        model(ids[:context], BatchKV([seq], [context]))
+    at = torch.arange(rows, device=model.device)
+
+    def timed(batch, kv, used):
+        t = time.perf_counter()
+        model(batch, kv, logits_at=at)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t
+        for seq, n in used:
+            seq.rollback(n)
+        return elapsed
+
+    out = []
+    for _ in range(pairs):
+        block = timed(ids[context : context + rows], BatchKV([seqs[0]], [rows]), [(seqs[0], rows)])
+        spread = timed(ids[context : context + 1].repeat(rows), BatchKV(seqs[1:], [1] * rows),
+                       [(seq, 1) for seq in seqs[1:]])
+        out.append(spread - block)
+    for seq in seqs:
+        cache.release(seq)
+    return out
+
+
 def measure_step_costs(model, sizes=SIZES, context: int = CONTEXT, repeats: int = REPEATS,
                        rows=ROWS) -> StepCosts:
     """A few seconds on a 2-core CPU for a 135M model."""
     points = monotone(measure(model, sizes, context, repeats))
-    costs = StepCosts(points)
     overhead = {1: 0.0}
     for r in rows:
         if r > 1:
-            spread = measure(model, (r,), context, repeats, rows=r)[r]
-            overhead[r] = max(0.0, spread - costs(r) * costs.base_seconds)
+            # interleaved pairs, the median difference: this machine's noise is of the order
+            # of the overhead itself, and drifts between one series and the next
+            diffs = _row_overhead_samples(model, r, context, max(repeats, 7))
+            overhead[r] = max(0.0, statistics.median(diffs))
     running = 0.0
     for r in sorted(overhead):  # more rows never cost less
         running = overhead[r] = max(overhead[r], running)

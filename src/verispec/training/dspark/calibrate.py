@@ -108,6 +108,9 @@ def run_calibrate(args) -> int:
         live = run_live(engine, ids, args.max_tokens, SamplingParams(), loaded.stop_ids)
         halves[i % 2].extend((r.logits, r.accepted, r.proposal_len) for r in live.rounds if len(r.logits) >= g)
     summary: dict = {"method": args.method, "prompts": len(prompts)}
+    (folder / "calibration_rounds.json").write_text(json.dumps(
+        {"note": "live rounds (confidence logits, drafts accepted, proposal length) of even / odd prompts",
+         "halves": halves}))
     temperatures = None
     if args.method == "sts":
         fit, check = sts.Rounds(halves[0], g), sts.Rounds(halves[1], g)
@@ -117,12 +120,13 @@ def run_calibrate(args) -> int:
                           "before": before, "after": after}
         _plot_sts(before, after, folder / "sts.png")
         print(f"STS on {len(fit)} rounds, checked on {len(check)} held-out rounds (cumulative products):")
-        print(f"{'position':>8}{'tested':>8}{'survive':>9}{'T':>8}{'ECE raw':>9}{'ECE STS':>9}{'AUC raw':>9}"
-              f"{'AUC STS':>9}")
+        print(f"{'position':>8}{'tested':>8}{'survive':>9}{'T':>8}{'ECE raw':>9}{'ECE STS':>9}{'noise':>7}"
+              f"{'AUC raw':>9}{'AUC STS':>9}")
         for b, a, t in zip(before, after, temperatures):
             surv = f"{b['survival']:.3f}" if b["survival"] is not None else "  -"
             print(f"{b['position']:>8}{b['tested']:>8}{surv:>9}{t:>8.3f}{b['ece']:>9.3f}{a['ece']:>9.3f}"
-                  f"{b['auc']:>9.3f}{a['auc']:>9.3f}")
+                  f"{a['ece_floor']:>7.3f}{b['auc']:>9.3f}{a['auc']:>9.3f}")
+        print("(noise: the ECE a perfectly calibrated predictor would show on as many rounds)")
     # thresholds on the (calibrated) conditional confidences, every tested slot
     pairs: list[list[tuple[float, bool]]] = [[] for _ in range(g)]
     for logits, accepted, proposal_len in halves[0] + halves[1]:

@@ -43,6 +43,17 @@ def ece(probs: torch.Tensor, labels: torch.Tensor, bins: int = BINS) -> float:
     return float((pred - hit).abs().sum() / n)
 
 
+def ece_floor(probs: torch.Tensor, bins: int = BINS, draws: int = 20, seed: int = 0) -> float:
+    """The ECE a perfectly calibrated predictor shows on this many samples: the mean ECE
+    of these predictions against labels drawn from them. With a few thousand rounds it is
+    1-4%, so a measured ECE near it is sampling noise, not miscalibration."""
+    if probs.numel() == 0:
+        return float("nan")
+    g = torch.Generator().manual_seed(seed)
+    p = probs.double()
+    return sum(ece(p, torch.rand(p.shape, generator=g, dtype=torch.float64) < p, bins) for _ in range(draws)) / draws
+
+
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     """Area under the ROC curve (the Mann-Whitney statistic, ties counted half)."""
     pos, neg = scores[labels.bool()].double(), scores[~labels.bool()].double()
@@ -119,7 +130,8 @@ def fit_sts(rounds: Rounds, grid: list[float] = TEMPERATURE_GRID, bins: int = BI
 
 def report(rounds: Rounds, temperatures: list[float] | None, bins: int = BINS) -> list[dict]:
     """Per position: rounds tested, survival rate, ECE and AUC of the cumulative product,
-    and the reliability bins (mean predicted, observed, count)."""
+    the ECE a calibrated predictor would show on as many rounds (`ece_floor`), and the
+    reliability bins (mean predicted, observed, count)."""
     survival = rounds.survival(temperatures)
     out = []
     for k in range(rounds.positions):
@@ -134,5 +146,5 @@ def report(rounds: Rounds, temperatures: list[float] | None, bins: int = BINS) -
                               "predicted": float(p[members].mean()), "observed": float(y[members].double().mean())})
         out.append({"position": k, "tested": int(mask.sum()),
                     "survival": float(y.double().mean()) if y.numel() else None,
-                    "ece": ece(p, y, bins), "auc": auc(p, y), "bins": table})
+                    "ece": ece(p, y, bins), "ece_floor": ece_floor(p, bins), "auc": auc(p, y), "bins": table})
     return out

@@ -1,0 +1,173 @@
+"""Verify scheduling arms on the shared eval prompts, at several concurrencies and temperatures.
+
+SmolLM2-135M-Instruct in the served plan, `--prompts` prompts from each of the four eval
+sets (../shared/eval-prompts), `--max-tokens` new tokens each, a closed loop of C
+concurrent requests inside one engine (a new request joins as soon as one finishes; the
+engine streams every token; no HTTP, which bench/serve_load.py measures), every arm in
+the same run, at T = 0 and T = 1 (the model's top-p 0.9 at T = 1 too):
+
+    none              no speculation
+    ngram             n-gram lookup, the per-row cost policy (verispec's default for n-gram)
+    ngram-strict      n-gram, Algorithm 1 strict (engine/verify_schedule.py)
+    ngram-production  n-gram, Algorithm 1 production form
+    dspark-fixed3/7   the shipped DSpark drafter, 3 / 7 drafts verified every round
+    dspark-threshold  the shipped drafter with its calibrated thresholds and the cost
+                      policy (what `verispec serve` runs today)
+    dspark-strict     the shipped drafter, Algorithm 1 strict
+    dspark-production the shipped drafter, Algorithm 1 production form
+
+Reported per arm, concurrency and temperature: aggregate tok/s (all generated tokens over
+the run's wall time), per-stream tok/s (a request's tokens over its own decode time,
+mean), tau (tokens per target forward of speculating rows) and verify tokens per request
+per step (drafts sent to verification per row-round). A table, one JSON line, and
+bench_scheduler.png (aggregate tok/s against concurrency, one line per arm). Says which
+CPU it ran on.
+
+    .venv/bin/python bench/scheduler.py                       # 2 prompts per set, 96 tokens
+    .venv/bin/python bench/scheduler.py --prompts 12 --max-tokens 192 --arms none,ngram,dspark-strict
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ARMS = ("none", "ngram", "ngram-strict", "ngram-production", "dspark-fixed3", "dspark-fixed7", "dspark-threshold",
+        "dspark-strict", "dspark-production")
+
+
+def make_arm(loaded, arm: str):
+    from verispec.drafting.factory import build_drafter
+    from verispec.drafting.ngram import NgramProvider
+    from verispec.engine.engine import Engine, EngineConfig
+
+    config = {"kv_budget": 2**32, "max_rows": 32}
+    drafter = None
+    if arm.startswith("ngram"):
+        drafter = NgramProvider()
+    elif arm.startswith("dspark"):
+        drafter = build_drafter(loaded, None, None, torch.bfloat16)
+    if arm.startswith("dspark-fixed"):
+        config.update(adaptive_draft=False, num_draft_tokens=int(arm.removeprefix("dspark-fixed")))
+        drafter.threshold = 0.0  # every drafted token goes to verification
+    if arm.endswith("-strict") or arm.endswith("-production"):
+        config["verify_schedule"] = arm.rsplit("-", 1)[1]
+    return Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, EngineConfig(**config), drafter=drafter)
+
+
+def closed_loop(engine, prompts: list[list[int]], concurrency: int, max_tokens: int, params) -> dict:
+    from verispec.engine.request import Collector, GenerationRequest
+
+    class Sink(Collector):
+        done = False
+
+        def __call__(self, out):
+            super().__call__(out)
+            self.done = self.done or out.finished
+
+    queue = list(prompts)
+    live: list[Sink] = []
+    done = []
+    start = time.perf_counter()
+    while queue or live:
+        while queue and len(live) < concurrency:
+            c = Sink()
+            engine.submit(GenerationRequest(queue.pop(0), max_tokens, params), c)
+            live.append(c)
+        engine.step()
+        finished = [c for c in live if c.done]
+        for c in finished:
+            live.remove(c)
+            done.append(c.result(0))
+    wall = time.perf_counter() - start
+    tokens = sum(r.completion_tokens for r in done)
+    streams = [max(0, r.completion_tokens - 1) / r.decode_time for r in done if r.decode_time]
+    rounds = sum(r.speculation["rounds"] for r in done if r.speculation)
+    emitted = sum(r.speculation["mean_accepted_length"] * r.speculation["rounds"] for r in done if r.speculation)
+    drafted = sum(r.speculation["drafted"] for r in done if r.speculation)
+    return {"agg_tok_s": tokens / wall, "stream_tok_s": sum(streams) / len(streams) if streams else 0.0,
+            "tau": emitted / rounds if rounds else 1.0, "verify_per_round": drafted / rounds if rounds else 0.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per eval set (four sets)")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--concurrency", default="1,4,8,16")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--png", default="bench_scheduler.png")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from spec import workloads
+
+    from verispec.engine.sampling import SamplingParams
+    from verispec.models.kernel_plan import cpu_name
+    from verispec.models.loader import load_for_serving
+
+    loaded = load_for_serving("smollm2-135m-instruct", progress=False)
+    prompts = workloads(loaded.tokenizer, args.prompts, ["eval"])["eval"]
+    arms = args.arms.split(",")
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        raise SystemExit(f"unknown arms {sorted(unknown)}; known: {', '.join(ARMS)}")
+    engines = {arm: make_arm(loaded, arm) for arm in arms}
+    for engine in engines.values():  # warm-up (and the SPS table, cached)
+        closed_loop(engine, prompts[:1], 1, 8, SamplingParams())
+    rows = []
+    for temperature in [float(t) for t in args.temperatures.split(",")]:
+        params = SamplingParams() if temperature == 0 else SamplingParams(temperature=temperature, top_p=0.9)
+        for c in [int(x) for x in args.concurrency.split(",")]:
+            base = None
+            for arm, engine in engines.items():  # interleaved: every arm at this point before the next
+                r = closed_loop(engine, prompts, c, args.max_tokens, params)
+                base = r["agg_tok_s"] if arm == "none" else base
+                rows.append({"temperature": temperature, "concurrency": c, "arm": arm,
+                             **{k: round(v, 2) for k, v in r.items()}})
+            for row in rows:
+                if row["temperature"] == temperature and row["concurrency"] == c and base:
+                    row["vs_none"] = round(row["agg_tok_s"] / base, 3)
+    plan = getattr(loaded.model, "kernel_plan", None)
+    print(f"\nSmolLM2-135M-Instruct ({plan.describe() if plan else 'PyTorch kernels'}), {len(prompts)} eval prompts, "
+          f"max_tokens {args.max_tokens}, closed loop per concurrency, {args.threads} threads on {cpu_name()}")
+    print(f"{'T':>3}{'conc':>5} {'arm':<19}{'agg tok/s':>10}{'vs none':>8}{'stream':>8}{'tau':>6}{'verify/rnd':>11}")
+    for r in rows:
+        print(f"{r['temperature']:>3.0f}{r['concurrency']:>5} {r['arm']:<19}{r['agg_tok_s']:>10.1f}"
+              f"{r.get('vs_none', 0):>7.2f}x{r['stream_tok_s']:>8.1f}{r['tau']:>6.2f}{r['verify_per_round']:>11.2f}")
+    print(json.dumps({"bench": "scheduler", "cpu": cpu_name(), "threads": args.threads, "prompts": len(prompts),
+                      "max_tokens": args.max_tokens, "rows": rows}))
+    _plot(rows, Path(args.png))
+
+
+def _plot(rows: list[dict], png: Path) -> None:
+    from verispec.training.plots import pyplot
+
+    plt = pyplot()
+    temps = sorted({r["temperature"] for r in rows})
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4.5), squeeze=False)
+    for ax, t in zip(axes[0], temps):
+        for arm in dict.fromkeys(r["arm"] for r in rows):
+            pts = [(r["concurrency"], r["agg_tok_s"]) for r in rows if r["arm"] == arm and r["temperature"] == t]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=arm,
+                    linestyle="--" if arm == "none" else "-")
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("aggregate tok/s")
+        ax.set_title(f"T = {t:g}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    print(f"plot: {png}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
