@@ -83,12 +83,13 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="most draft tokens a request verifies per step (default 8); fewer are drafted when they do not pay")
     g.add_argument("--fixed-draft", action="store_true",
                    help="always draft --num-draft-tokens (turn off the cost-based draft length policy)")
-    g.add_argument("--verify-schedule", choices=["cost", "strict", "production"], default="strict",
-                   help="how many drafted tokens each request verifies per step: strict (default: DSpark's "
-                        "Algorithm 1 across the step's rows, maximizing expected tokens x measured steps/s and "
-                        "stopping at the first draft that does not pay), production (its global-search form: the "
-                        "token budget from two steps ago, this step's most confident drafts), cost (each row's own "
-                        "cost-based draft length; what verispec did before). Chosen by bench/scheduler.py")
+    g.add_argument("--verify-schedule", choices=["cost", "strict", "production"], default="production",
+                   help="how many drafted tokens each request verifies per step: production (default: DSpark's "
+                        "Algorithm 1 in its global-search form, the token budget from two steps ago spent on this "
+                        "step's most confident drafts), strict (Algorithm 1 as printed: maximize expected tokens x "
+                        "measured steps/s across the step's rows, stopping at the first draft that does not pay), "
+                        "cost (each row's own cost-based draft length; what verispec did before). Chosen by "
+                        "bench/scheduler.py")
     g.add_argument("--no-forced-drafts", action="store_true",
                    help="structured output: decode the tokens a grammar forces (JSON punctuation, property names) one "
                         "step each instead of verifying them as drafts (same output, more steps; for A/B runs)")
