@@ -164,6 +164,16 @@ def run_calibrate(args) -> int:
     return 0
 
 
+def _reliability(ax, report: list[dict], predicted: str, observed: str, label) -> None:
+    """One reliability diagram: a curve per position over its bins, and the diagonal."""
+    ax.plot([0, 1], [0, 1], "k--", linewidth=1, label="perfect calibration")
+    for r in report:
+        if r["bins"]:
+            ax.plot([b[predicted] for b in r["bins"]], [b[observed] for b in r["bins"]], marker="o",
+                    markersize=3, label=f"{label(r['position'])} (ECE {r['ece']:.3f})")
+    ax.legend(fontsize=7)
+
+
 def _plot_sts(before: list[dict], after: list[dict], png: Path) -> None:
     """Reliability of the cumulative products per position, raw and after STS."""
     from verispec.training.plots import pyplot
@@ -171,14 +181,9 @@ def _plot_sts(before: list[dict], after: list[dict], png: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 5.5), sharey=True)
     for ax, report, title in ((axes[0], before, "raw confidences"), (axes[1], after, "after STS")):
-        ax.plot([0, 1], [0, 1], "k--", linewidth=1, label="perfect calibration")
-        for r in report:
-            if r["bins"]:
-                ax.plot([b["predicted"] for b in r["bins"]], [b["observed"] for b in r["bins"]], marker="o",
-                        markersize=3, label=f"position {r['position'] + 1} (ECE {r['ece']:.3f})")
+        _reliability(ax, report, "predicted", "observed", lambda k: f"position {k + 1}")
         ax.set_xlabel("predicted P(first k drafts accepted)")
         ax.set_title(f"{title}, held-out rounds")
-        ax.legend(fontsize=7)
     axes[0].set_ylabel("observed rate")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
@@ -190,15 +195,10 @@ def _plot(report: list[dict], png: Path) -> None:
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 6))
-    ax.plot([0, 1], [0, 1], "k--", linewidth=1, label="perfect calibration")
-    for r in report:
-        if r["bins"]:
-            ax.plot([b["confidence"] for b in r["bins"]], [b["acceptance"] for b in r["bins"]], marker="o",
-                    markersize=3, label=f"slot {r['position']} (ECE {r['ece']:.3f})")
+    _reliability(ax, report, "confidence", "acceptance", lambda k: f"slot {k}")
     ax.set_xlabel("predicted acceptance (confidence)")
     ax.set_ylabel("observed acceptance (given the drafts before it)")
     ax.set_title("DSpark confidence reliability")
-    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
