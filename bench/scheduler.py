@@ -15,6 +15,8 @@ the same run, at T = 0 and T = 1 (the model's top-p 0.9 at T = 1 too):
                       policy (what `verispec serve` runs today)
     dspark-strict     the shipped drafter, Algorithm 1 strict
     dspark-production the shipped drafter, Algorithm 1 production form
+    composite-production  the shipped drafter and n-gram for every row, the better candidate
+                      each round (drafting/composite.py), Algorithm 1 production form
 
 Reported per arm, concurrency and temperature: aggregate tok/s (all generated tokens over
 the run's wall time), per-stream tok/s (a request's tokens over its own decode time,
@@ -40,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ARMS = ("none", "ngram", "ngram-strict", "ngram-production", "dspark-fixed3", "dspark-fixed7", "dspark-threshold",
-        "dspark-strict", "dspark-production")
+        "dspark-strict", "dspark-production", "composite-production")
 
 
 def make_arm(loaded, arm: str):
@@ -54,6 +56,8 @@ def make_arm(loaded, arm: str):
         drafter = NgramProvider()
     elif arm.startswith("dspark"):
         drafter = build_drafter(loaded, None, None, torch.bfloat16)
+    elif arm.startswith("composite"):
+        drafter = build_drafter(loaded, "composite", None, torch.bfloat16)
     if arm.startswith("dspark-fixed"):
         config.update(adaptive_draft=False, num_draft_tokens=int(arm.removeprefix("dspark-fixed")))
         drafter.threshold = 0.0  # every drafted token goes to verification

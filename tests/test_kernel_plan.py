@@ -154,3 +154,9 @@ def test_profile_prints_the_plan(folders, capsys):
     assert main(["profile", "-m", str(folders["llama"][0]), "--dtype", "float32", "--quant", "q4_1"]) == 0
     out = capsys.readouterr().out
     assert "qkv" in out and "lm_head" in out and "attention" in out and "cached in" in out
+    # then the SPS table of that plan, one line per measured token count, and the row effect
+    from verispec.engine.step_costs import SIZES
+
+    sps = out[out.index("SPS table"):].splitlines()
+    assert [int(line.split()[0]) for line in sps[2 : 2 + len(SIZES)]] == list(SIZES)
+    assert "as 8 rows of 1" in out

@@ -69,8 +69,10 @@ def _add_structured_args(p: argparse.ArgumentParser) -> None:
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (lossless: the same tokens at temperature 0, the same distribution above)")
-    g.add_argument("--speculate", choices=["ngram", "none"], default=None,
-                   help="ngram: draft by prompt lookup (no weights; pays on edits, summaries, code); none: off")
+    g.add_argument("--speculate", choices=["ngram", "composite", "none"], default=None,
+                   help="ngram: draft by prompt lookup (no weights; pays on edits, summaries, code); composite: the "
+                        "model drafter (--draft-model, else the shipped one) and n-gram lookup for every row, the "
+                        "candidate with the larger expected gain verified each round; none: off")
     g.add_argument("--no-draft", action="store_true",
                    help="do not use the DSpark drafter that ships with an embedded model (the default model has one)")
     g.add_argument("--draft-model", default=None, metavar="MODEL",
@@ -247,25 +249,24 @@ def run_profile(args) -> int:
         print(f"\n{str(dtype).removeprefix('torch.')}{mark}: {plan.step_us / 1000:.2f} ms of kernels per decode + "
               f"verify step; cached in {kernel_plan.profile_path(plan.key)}")
         print(kernel_plan.format_plan(plan))
-    _print_sps(args)
+    _print_sps(args, folder, chosen)
     return 0
 
 
-def _print_sps(args) -> None:
+def _print_sps(args, folder, dtype) -> None:
     """The SPS table of the served plan (what the verify scheduler weighs drafts against),
     and whether a forward's cost depends on how many rows its tokens span."""
     from verispec.engine import step_costs
-    from verispec.models.loader import load_for_serving
-    from verispec.models.registry import DEFAULT_MODEL
+    from verispec.models.loader import load_folder
 
-    loaded = load_for_serving(args.model or DEFAULT_MODEL, args.dtype, args.kernels, args.quant, progress=False)
-    costs, info = step_costs.step_costs_for(loaded.model, refresh=args.refresh)
+    model = load_folder(folder, dtype=dtype, kernels=args.kernels, quant=args.quant)
+    costs, info = step_costs.step_costs_for(model, refresh=args.refresh)
     print(f"\nSPS table of the served plan ({info['source']}: {info['path']}): a target forward of B tokens")
     print(f"{'tokens':>7}{'ms':>9}{'steps/s':>9}{'vs 1':>7}")
     for r in costs.table():
         print(f"{r['tokens']:>7}{r['ms']:>9.2f}{r['steps_per_s']:>9.1f}{r['relative']:>6.2f}x")
-    one = step_costs.measure(loaded.model, sizes=(8,), rows=1)[8]
-    spread = step_costs.measure(loaded.model, sizes=(8,), rows=8)[8]
+    one = step_costs.measure(model, sizes=(8,), rows=1)[8]
+    spread = step_costs.measure(model, sizes=(8,), rows=8)[8]
     print(f"8 tokens as one row's verify block: {one * 1e3:.2f} ms; as 8 rows of 1: {spread * 1e3:.2f} ms "
           f"({spread / one:.2f}x)")
 

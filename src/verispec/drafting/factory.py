@@ -8,7 +8,7 @@ from pathlib import Path
 from verispec.errors import UserError
 from verispec.engine.draft import MAX_DRAFT_TOKENS, DraftProvider
 
-SPECULATE_CHOICES = ("ngram", "none")
+SPECULATE_CHOICES = ("ngram", "composite", "none")
 # embedded model -> its trained DSpark drafter, shipped in the package (README, "The default drafter")
 BUNDLED_DRAFTERS = {"smollm2-135m-instruct": Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-instruct"}
 
@@ -30,8 +30,10 @@ def build_drafter(target, speculate: str | None, draft_model: str | None, dtype,
     an embedded model's shipped drafter is used (`no_draft` turns that off)."""
     if no_draft and (draft_model or speculate not in (None, "none")):
         raise UserError("--no-draft turns speculation off; it cannot go with --speculate or --draft-model")
+    if speculate == "composite":
+        return composite_drafter(target, draft_model, dtype, confidence_threshold)
     if draft_model and speculate not in (None, "none"):
-        raise UserError("choose one of --speculate and --draft-model")
+        raise UserError("choose one of --speculate and --draft-model (or --speculate composite to use both)")
     if draft_model:
         return load_drafter(target, draft_model, dtype, confidence_threshold)
     if speculate is None and not no_draft:
@@ -45,6 +47,22 @@ def build_drafter(target, speculate: str | None, draft_model: str | None, dtype,
 
         return NgramProvider()
     raise UserError(f"unknown --speculate {speculate!r}; choose one of {', '.join(SPECULATE_CHOICES)}")
+
+
+def composite_drafter(target, draft_model: str | None, dtype, confidence_threshold: float | None = None):
+    """`--speculate composite`: the model drafter (--draft-model, else the shipped one) and
+    n-gram lookup for every row, the better candidate verified each round."""
+    from verispec.drafting.composite import CompositeProvider
+    from verispec.drafting.ngram import NgramProvider
+
+    if draft_model:
+        model = load_drafter(target, draft_model, dtype, confidence_threshold)
+    else:
+        shipped = bundled_drafter(target)
+        if shipped is None:
+            raise UserError("--speculate composite needs a drafter: this model ships none, give --draft-model")
+        model = load_drafter(target, str(shipped), dtype, confidence_threshold, label="the shipped drafter")
+    return CompositeProvider([model, NgramProvider()])
 
 
 def load_drafter(target, name: str, dtype, confidence_threshold: float | None = None,

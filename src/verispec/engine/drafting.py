@@ -47,6 +47,9 @@ class Drafting:
         # Algorithm 1 across the step's rows (None or mode "cost": each row's cost policy alone)
         self.schedule = schedule if schedule is not None and schedule.active else None
         self.online = OnlineAcceptance(max(1, length.cap))  # confidences for sources without a head
+        bind = getattr(provider, "bind_confidences", None)  # a composite source chooses by them
+        if bind is not None:
+            bind(self.conditionals)
         # per draft position j, over all rows: rounds that proposed a token there, that
         # tested it (every draft before it was kept), and that kept it
         width = max(1, length.max_draft)

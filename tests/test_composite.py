@@ -1,0 +1,102 @@
+"""Composite drafting (drafting/composite.py): a DSpark drafter and n-gram lookup per row.
+
+Oracles: plain greedy decoding (the DeepSpec fixture's target and drafter, prompts that
+repeat themselves so both sources win rounds, rows joining a batch); at temperature > 0
+the exact joint distribution of the first three tokens (tests/test_dspark.py's setting),
+chi-square.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from unittest import mock
+
+import pytest
+import torch
+
+from tests.fixtures import oracle
+from tests.goodness_of_fit import chi_square_p
+from tests.tiny_models import CharTokenizer, extend_logits
+from verispec.drafting.composite import CompositeProvider
+from verispec.drafting.dspark.checkpoint import load_dspark
+from verispec.drafting.dspark.source import DSparkProvider
+from verispec.drafting.ngram import NgramProvider
+from verispec.engine import sampling
+from verispec.engine.engine import Engine, EngineConfig
+from verispec.engine.request import Collector, GenerationRequest
+from verispec.engine.sampling import SamplingParams, process_logits, sampling_probs
+from verispec.models.loader import load_model
+
+ROOT = oracle()
+
+
+@pytest.fixture(scope="module")
+def models():
+    return load_model(str(ROOT / "target"), dtype=torch.float32), load_dspark(ROOT / "drafter", dtype=torch.float32)
+
+
+def _prompts():
+    return [json.loads(line)["prompt_ids"] for line in (ROOT / "prompts.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("schedule", ["cost", "production"])
+def test_composite_greedy_equals_plain_decoding(models, schedule):
+    target, drafter = models
+    prompts = [p + p[-12:] * 2 for p in _prompts()[:5]]  # a repeated tail gives n-gram lookups
+    plain = Engine(target.model, CharTokenizer(), target.stop_ids, EngineConfig(kv_budget=2**30))
+    expected = [plain.generate(GenerationRequest(p, 40)).token_ids for p in prompts]
+    provider = CompositeProvider([DSparkProvider(drafter), NgramProvider()])
+    engine = Engine(target.model, CharTokenizer(), target.stop_ids,
+                    EngineConfig(kv_budget=2**30, adaptive_draft=False, verify_schedule=schedule), drafter=provider)
+    collectors = []
+    for i, prompt in enumerate(prompts):
+        collectors.append(Collector())
+        engine.submit(GenerationRequest(prompt, 40), collectors[-1])
+        for _ in range(i):
+            engine.step()
+    engine.run_until_idle()
+    assert [c.result(0).token_ids for c in collectors] == expected
+    assert engine.drafting.totals.accepted > 30 and engine.cache.bytes_in_use == 0
+    assert all(n > 0 for n in provider.chosen), provider.chosen  # each source won rounds
+
+
+def test_composite_sampling_keeps_the_target_distribution(models):
+    target, drafter = models
+    prompt = _prompts()[4]  # one whose first tokens n-gram lookup often finds in the prompt
+    params = SamplingParams(temperature=2.5, top_k=4)
+    exact = {(): 1.0}
+    for _ in range(3):
+        grown = {}
+        for prefix, mass in exact.items():
+            seq = target.model.new_cache().allocate(len(prompt) + 4)
+            logits = extend_logits(target.model, seq, prompt + list(prefix))[-1:]
+            for token, p in enumerate(sampling_probs(process_logits(logits, [params]), [params])[0].tolist()):
+                if p > 0:
+                    grown[prefix + (token,)] = mass * p
+        exact = grown
+    n = 6000
+    provider = CompositeProvider([DSparkProvider(drafter), NgramProvider(min_ngram=1)])
+    engine = Engine(target.model, CharTokenizer(), (), EngineConfig(kv_budget=2**31, max_rows=500, max_waiting=n + 1,
+                                                                   num_draft_tokens=3, adaptive_draft=False,
+                                                                   verify_schedule="production"), drafter=provider)
+    collectors = []
+    with mock.patch.object(sampling.secrets, "randbits", side_effect=itertools.count(1)):
+        for _ in range(n):
+            collectors.append(Collector())
+            engine.submit(GenerationRequest(prompt, 4, SamplingParams(temperature=2.5, top_k=4)), collectors[-1])
+        engine.run_until_idle()
+    counts: dict[tuple[int, ...], int] = {}
+    for c in collectors:
+        key = tuple(c.result(0).token_ids[:3])
+        counts[key] = counts.get(key, 0) + 1
+    totals = engine.drafting.totals
+    assert 0 < totals.accepted < totals.drafted and all(n > 0 for n in provider.chosen), provider.chosen
+    assert chi_square_p(counts, exact) > 1e-3
+
+
+def test_composite_needs_two_sources_reading_the_same_layers(models):
+    _, drafter = models
+    with pytest.raises(ValueError, match="at least two"):
+        CompositeProvider([NgramProvider()])
+    assert CompositeProvider([DSparkProvider(drafter), NgramProvider()]).taps == DSparkProvider(drafter).taps
