@@ -17,7 +17,7 @@ import torch
 
 from tests.fixtures import oracle
 from tests.goodness_of_fit import chi_square_p
-from tests.tiny_models import CharTokenizer, extend_logits
+from tests.tiny_models import CharTokenizer, exact_continuations
 from verispec.drafting.composite import CompositeProvider
 from verispec.drafting.dspark.checkpoint import load_dspark
 from verispec.drafting.dspark.source import DSparkProvider
@@ -25,7 +25,7 @@ from verispec.drafting.ngram import NgramProvider
 from verispec.engine import sampling
 from verispec.engine.engine import Engine, EngineConfig
 from verispec.engine.request import Collector, GenerationRequest
-from verispec.engine.sampling import SamplingParams, process_logits, sampling_probs
+from verispec.engine.sampling import SamplingParams
 from verispec.models.loader import load_model
 
 ROOT = oracle()
@@ -65,16 +65,7 @@ def test_composite_sampling_keeps_the_target_distribution(models):
     target, drafter = models
     prompt = _prompts()[4]  # one whose first tokens n-gram lookup often finds in the prompt
     params = SamplingParams(temperature=2.5, top_k=4)
-    exact = {(): 1.0}
-    for _ in range(3):
-        grown = {}
-        for prefix, mass in exact.items():
-            seq = target.model.new_cache().allocate(len(prompt) + 4)
-            logits = extend_logits(target.model, seq, prompt + list(prefix))[-1:]
-            for token, p in enumerate(sampling_probs(process_logits(logits, [params]), [params])[0].tolist()):
-                if p > 0:
-                    grown[prefix + (token,)] = mass * p
-        exact = grown
+    exact = exact_continuations(target.model, prompt, params, 3)
     n = 6000
     provider = CompositeProvider([DSparkProvider(drafter), NgramProvider(min_ngram=1)])
     engine = Engine(target.model, CharTokenizer(), (), EngineConfig(kv_budget=2**31, max_rows=500, max_waiting=n + 1,

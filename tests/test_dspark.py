@@ -233,26 +233,17 @@ def test_dspark_sampling_keeps_the_target_distribution(target, drafter, monkeypa
     the residual (the trained drafter's q is too close to p for that to show)."""
     from tests.goodness_of_fit import chi_square_p
 
-    from tests.tiny_models import CharTokenizer, extend_logits
+    from tests.tiny_models import CharTokenizer, exact_continuations
     from verispec.engine.engine import Engine, EngineConfig
     from verispec.engine.request import Collector, GenerationRequest
     from verispec.engine import sampling
-    from verispec.engine.sampling import SamplingParams, process_logits, sampling_probs
+    from verispec.engine.sampling import SamplingParams
     from verispec.engine import verify as verify_module
     from verispec.drafting.dspark.source import DSparkProvider
 
     prompt = json.loads((ORACLE / "prompts.jsonl").read_text().splitlines()[3])["prompt_ids"]
     params = SamplingParams(temperature=2.5, top_k=4)
-    exact = {(): 1.0}
-    for _ in range(3):
-        grown = {}
-        for prefix, mass in exact.items():
-            seq = target.model.new_cache().allocate(len(prompt) + 4)
-            logits = extend_logits(target.model, seq, prompt + list(prefix))[-1:]
-            for token, p in enumerate(sampling_probs(process_logits(logits, [params]), [params])[0].tolist()):
-                if p > 0:
-                    grown[prefix + (token,)] = mass * p
-        exact = grown
+    exact = exact_continuations(target.model, prompt, params, 3)
 
     scrambled = load_dspark(ORACLE / "drafter", dtype=torch.float32, prepare=False)
     with torch.no_grad():

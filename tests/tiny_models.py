@@ -105,6 +105,24 @@ def extend_logits(model, seq, tokens) -> torch.Tensor:
     return model(ids, BatchKV([seq], [len(ids)]), logits_at=torch.arange(len(ids))).logits
 
 
+def exact_continuations(model, prompt: list[int], params, n: int) -> dict[tuple[int, ...], float]:
+    """P(the first n sampled tokens) after `prompt` under plain sampling with `params`, by
+    enumerating every prefix with our model (the oracle of the chi-square tests)."""
+    from verispec.engine.sampling import process_logits, sampling_probs
+
+    dist = {(): 1.0}
+    for _ in range(n):
+        grown = {}
+        for prefix, mass in dist.items():
+            seq = model.new_cache().allocate(len(prompt) + n + 1)
+            logits = extend_logits(model, seq, prompt + list(prefix))[-1:]
+            for token, p in enumerate(sampling_probs(process_logits(logits, [params]), [params])[0].tolist()):
+                if p > 0:
+                    grown[prefix + (token,)] = mass * p
+        dist = grown
+    return dist
+
+
 def reference_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
