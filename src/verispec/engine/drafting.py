@@ -33,6 +33,10 @@ log = logging.getLogger("verispec.drafting")
 POOL_MEMORY = 256  # drafted-token evidence the pooled acceptance estimate keeps
 
 
+def _padded(counts: list[int], width: int) -> list[int]:
+    return list(counts[:width]) + [0] * max(0, width - len(counts))
+
+
 def speculation_enabled() -> bool:
     return os.environ.get("VERISPEC_SPEC", "1").strip().lower() not in ("0", "false", "off", "no")
 
@@ -50,16 +54,24 @@ class Drafting:
         bind = getattr(provider, "bind_confidences", None)  # a composite source chooses by them
         if bind is not None:
             bind(self.conditionals)
-        # per draft position j, over all rows: rounds that proposed a token there, that
-        # tested it (every draft before it was kept), and that kept it
-        width = max(1, length.max_draft)
+        # per draft position j, over all rows: rounds that proposed a token there (the
+        # rounds that tested and kept it are the totals' tested_at / kept_at)
+        self.width = width = max(1, length.max_draft)
         self.drafted_at = [0] * width
-        self.reached_at = [0] * width
-        self.accepted_at = [0] * width
         self.totals = DraftStats()  # over all rows (Prometheus counters, /stats)
         self.pool = AcceptanceEstimate()  # recent acceptance over all rows: new rows start from it
         # drafted tokens each speculating row sent to verification per step (/metrics)
         self.verify_lengths = Histogram(tuple(float(n) for n in range(0, width + 1)))
+
+    @property
+    def reached_at(self) -> list[int]:
+        """Per draft position, over all rows: rounds that tested it (the drafts before it kept)."""
+        return _padded(self.totals.tested_at, self.width)
+
+    @property
+    def accepted_at(self) -> list[int]:
+        """Per draft position, over all rows: rounds that kept it."""
+        return _padded(self.totals.kept_at, self.width)
 
     @property
     def taps(self) -> tuple[int, ...]:
@@ -166,8 +178,6 @@ class Drafting:
             self.pool.update(len(draft), kept, memory=POOL_MEMORY)
             for j in range(len(draft)):
                 self.drafted_at[j] += 1
-                self.reached_at[j] += j <= kept
-                self.accepted_at[j] += j < kept
         fed_and_kept = [row.pending, *emitted[:-1]]
         self._call(row, "commit", fed_and_kept, emitted[-1],
                    None if hidden is None else tuple(h[: len(fed_and_kept)] for h in hidden))
@@ -199,7 +209,9 @@ class Drafting:
             "max_draft_tokens": self.length.max_draft,
             "adaptive": self.length.adaptive,
             "verify_schedule": "cost" if self.schedule is None else self.schedule.mode,
-            **self.totals.usage(),
+            # (the totals' acceptance_by_position is per_position_acceptance below, without
+            # the positions nothing tested)
+            **{k: v for k, v in self.totals.usage().items() if k != "acceptance_by_position"},
             # P(draft j kept | drafts before it kept): the paper's conditional acceptance
             "per_position_acceptance": [round(a / r, 4) if r else None for a, r in zip(self.accepted_at, self.reached_at)],
             "drafted_at": list(self.drafted_at),
