@@ -303,19 +303,31 @@ class DSparkDrafter(nn.Module):
         return self
 
 
-def confident_prefix(confidence_logits: torch.Tensor | None, threshold, length: int,
-                     temperatures: list[float] | None = None) -> int:
-    """DeepSpec's truncation: the index of the first slot whose sigmoid(confidence) is below
-    the threshold (so 0 is possible), or the whole block; a threshold <= 0 keeps all. The
-    threshold may be one number or one per slot (`verispec dspark calibrate` fits those).
-    With STS `temperatures` (one per slot) the confidence is sigmoid(logit / T_slot)."""
-    if confidence_logits is None:
+def calibrated_confidences(confidence_logits: torch.Tensor, temperatures: list[float] | None = None) -> list[float]:
+    """Each slot's conditional acceptance: sigmoid(logit), or sigmoid(logit / T_slot) with
+    the STS temperatures `verispec dspark calibrate` fits."""
+    logits = confidence_logits.float()
+    if temperatures is not None:
+        logits = logits / torch.tensor(temperatures[: logits.shape[-1]], dtype=torch.float32, device=logits.device)
+    return torch.sigmoid(logits).tolist()
+
+
+def first_below(confidences: list[float] | None, threshold, length: int) -> int:
+    """DeepSpec's truncation on given confidences: the index of the first slot whose
+    confidence is below the threshold (so 0 is possible), or the whole block; a threshold
+    <= 0 keeps all. The threshold may be one number or one per slot."""
+    if confidences is None:
         return length
     per_slot = threshold if isinstance(threshold, (list, tuple)) else [threshold] * length
     if all(t <= 0 for t in per_slot):
         return length
-    logits = confidence_logits.float()
-    if temperatures is not None:
-        logits = logits / torch.tensor(temperatures[: logits.shape[-1]], dtype=torch.float32, device=logits.device)
-    conf = torch.sigmoid(logits).tolist()
-    return next((j for j, (c, t) in enumerate(zip(conf, per_slot)) if t > 0 and c < t), length)
+    return next((j for j, (c, t) in enumerate(zip(confidences, per_slot)) if t > 0 and c < t), length)
+
+
+def confident_prefix(confidence_logits: torch.Tensor | None, threshold, length: int,
+                     temperatures: list[float] | None = None) -> int:
+    """DeepSpec's truncation from the confidence logits (`first_below` of their calibrated
+    sigmoids)."""
+    if confidence_logits is None:
+        return length
+    return first_below(calibrated_confidences(confidence_logits, temperatures), threshold, length)

@@ -24,7 +24,7 @@ import time
 import torch
 
 from verispec.engine.sampling import make_generator, process_logits, sample, sampling_probs
-from verispec.drafting.dspark.model import DSparkDrafter, confident_prefix
+from verispec.drafting.dspark.model import DSparkDrafter, calibrated_confidences, first_below
 from verispec.engine.draft import Draft, DraftProvider, DraftSource, SourceContext
 
 
@@ -111,16 +111,6 @@ class DSparkProvider(DraftProvider):
         source.close()
         return best / target_costs.base_seconds, 0.0
 
-    def _calibrated(self, logits: torch.Tensor | None, n: int) -> list[float] | None:
-        """The confidence head's conditional acceptance of the first n slots, through the
-        STS temperatures where calibrate fitted them."""
-        if logits is None:
-            return None
-        x = logits[:n].float()
-        if self.temperatures is not None:
-            x = x / torch.tensor(self.temperatures[:n], dtype=torch.float32, device=x.device)
-        return torch.sigmoid(x).tolist()
-
     @torch.inference_mode()
     def draft_batch(self, requests) -> list[Draft]:
         active = [(s, p, n) for s, p, n in requests if n > 0]
@@ -135,9 +125,11 @@ class DSparkProvider(DraftProvider):
         drafts = {}
         for r, (source, anchor, max_n) in enumerate(active):
             row_conf = None if confidence is None else confidence[r]
-            n = min(confident_prefix(row_conf, self.threshold, self.block_size, self.temperatures), max_n)
+            # once per slot: the cut and the scheduler read the same (STS-calibrated) numbers
+            conf = None if row_conf is None else calibrated_confidences(row_conf, self.temperatures)
+            n = min(first_below(conf, self.threshold, self.block_size), max_n)
             q = chooser.q(r, n)
-            drafts[id(source)] = Draft(tokens[r, :n].tolist(), q, confidence=self._calibrated(row_conf, n))
+            drafts[id(source)] = Draft(tokens[r, :n].tolist(), q, confidence=None if conf is None else conf[:n])
             if self.trace is not None:
                 self.trace.append({
                     "event": "propose", "source": id(source), "anchor": anchor,
