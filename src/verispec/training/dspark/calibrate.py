@@ -41,7 +41,9 @@ import math
 import sys
 from pathlib import Path
 
-BINS = 20
+import torch
+
+from verispec.training.dspark.sts import BINS, ece as tensor_ece
 
 
 def laplace(accepted: int, n: int) -> float:
@@ -60,23 +62,21 @@ def fit_threshold(pairs: list[tuple[float, bool]], target: float, min_evidence: 
 
 
 def ece(pairs: list[tuple[float, bool]], bins: int = BINS) -> tuple[float, list[dict]]:
+    """The expected calibration error of (confidence, accepted) pairs (sts.ece, the one
+    implementation) and its reliability bins."""
+    conf = torch.tensor([c for c, _ in pairs], dtype=torch.float64)
+    hits = torch.tensor([bool(y) for _, y in pairs])
+    index = (conf * bins).long().clamp(0, bins - 1)
     table = []
-    total = len(pairs)
-    error = 0.0
     for b in range(bins):
-        lo, hi = b / bins, (b + 1) / bins
-        members = [(c, y) for c, y in pairs if lo <= c < hi or (b == bins - 1 and c == 1.0)]
-        if not members:
-            continue
-        conf = sum(c for c, _ in members) / len(members)
-        acc = sum(y for _, y in members) / len(members)
-        error += len(members) / total * abs(conf - acc)
-        table.append({"bin": [lo, hi], "n": len(members), "confidence": conf, "acceptance": acc})
-    return error, table
+        members = index == b
+        if members.any():
+            table.append({"bin": [b / bins, (b + 1) / bins], "n": int(members.sum()),
+                          "confidence": float(conf[members].mean()), "acceptance": float(hits[members].double().mean())})
+    return (tensor_ece(conf, hits, bins) if pairs else 0.0), table
 
 
 def run_calibrate(args) -> int:
-    import torch
     from tqdm.auto import tqdm
 
     from verispec.engine.sampling import SamplingParams
