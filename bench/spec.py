@@ -145,7 +145,7 @@ def main() -> None:
     from verispec.engine.request import Collector, GenerationRequest
     from verispec.models.loader import load_model
     from verispec.drafting.ngram import NgramProvider
-    from verispec.engine.draft_length import measure_step_costs
+    from verispec.engine.step_costs import measure_step_costs
     from verispec.drafting.two_model import TwoModelProvider
 
     from verispec.models.loader import load_for_serving
@@ -244,7 +244,7 @@ def main() -> None:
                 if r["workload"] == workload:
                     r["vs_llamacpp"] = round(r["decode_tok_s"] / peer_tps, 3)
 
-    costs = measure_step_costs(loaded.model, sizes=(1, 2, 3, 5, 9, 17))
+    costs = measure_step_costs(loaded.model, sizes=(1, 2, 3, 5, 9, 17), rows=(1,))  # one row's verify blocks
     verify_cost = {k + 1: round(costs(k + 1), 3) for k in (1, 2, 4, 8, 16)}
 
     batched = []

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from verispec.engine.step_costs import StepCosts, measure_step_costs  # noqa: F401 - re-exported
+from verispec.engine.step_costs import StepCosts
 
 PRIOR_ACCEPT = 0.5  # the estimate a row starts from ...
 PRIOR_WEIGHT = 4.0  # ... worth this many drafted tokens of evidence
