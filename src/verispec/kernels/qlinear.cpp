@@ -1134,28 +1134,29 @@ void gelu_mul_impl(const T* gu, T* out, int64_t n, int64_t I) {
     }
 }
 
-torch::Tensor gelu_mul(torch::Tensor gate_up) {
+// act(gate) * up for [n, 2I] rows (gate, up halves), in the input's dtype; `impl` is the
+// per-dtype loop (silu_mul_impl / gelu_mul_impl), called with float* or uint16_t* (bf16)
+template <typename Impl>
+torch::Tensor gated_product(torch::Tensor gate_up, const char* name, Impl impl) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [n, 2I]");
   gate_up = gate_up.contiguous();
   const int64_t n = gate_up.size(0), I = gate_up.size(1) / 2;
   auto out = torch::empty({n, I}, gate_up.options());
-  if (gate_up.scalar_type() == torch::kFloat32) gelu_mul_impl<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), n, I);
+  if (gate_up.scalar_type() == torch::kFloat32) impl(gate_up.data_ptr<float>(), out.data_ptr<float>(), n, I);
   else if (gate_up.scalar_type() == torch::kBFloat16)
-    gelu_mul_impl<uint16_t>((const uint16_t*)gate_up.data_ptr(), (uint16_t*)out.data_ptr(), n, I);
-  else TORCH_CHECK(false, "gelu_mul runs in float32 or bfloat16");
+    impl((const uint16_t*)gate_up.data_ptr(), (uint16_t*)out.data_ptr(), n, I);
+  else TORCH_CHECK(false, name, " runs in float32 or bfloat16");
   return out;
 }
 
+torch::Tensor gelu_mul(torch::Tensor gate_up) {
+  return gated_product(gate_up, "gelu_mul",
+                       [](const auto* gu, auto* out, int64_t n, int64_t I) { gelu_mul_impl(gu, out, n, I); });
+}
+
 torch::Tensor silu_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [n, 2I]");
-  gate_up = gate_up.contiguous();
-  const int64_t n = gate_up.size(0), I = gate_up.size(1) / 2;
-  auto out = torch::empty({n, I}, gate_up.options());
-  if (gate_up.scalar_type() == torch::kFloat32) silu_mul_impl<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), n, I);
-  else if (gate_up.scalar_type() == torch::kBFloat16)
-    silu_mul_impl<uint16_t>((const uint16_t*)gate_up.data_ptr(), (uint16_t*)out.data_ptr(), n, I);
-  else TORCH_CHECK(false, "silu_mul runs in float32 or bfloat16");
-  return out;
+  return gated_product(gate_up, "silu_mul",
+                       [](const auto* gu, auto* out, int64_t n, int64_t I) { silu_mul_impl(gu, out, n, I); });
 }
 
 // One row's new K/V (k_new, v_new [n, G, D]) into its cache (cache_k, cache_v [G, S, D], slot
