@@ -8,21 +8,18 @@ chi-square.
 
 from __future__ import annotations
 
-import itertools
 import json
-from unittest import mock
 
 import pytest
 import torch
 
 from tests.fixtures import oracle
 from tests.goodness_of_fit import chi_square_p
-from tests.tiny_models import CharTokenizer, exact_continuations
+from tests.tiny_models import CharTokenizer, exact_continuations, sample_continuations
 from verispec.drafting.composite import CompositeProvider
 from verispec.drafting.dspark.checkpoint import load_dspark
 from verispec.drafting.dspark.source import DSparkProvider
 from verispec.drafting.ngram import NgramProvider
-from verispec.engine import sampling
 from verispec.engine.engine import Engine, EngineConfig
 from verispec.engine.request import Collector, GenerationRequest
 from verispec.engine.sampling import SamplingParams
@@ -71,16 +68,7 @@ def test_composite_sampling_keeps_the_target_distribution(models):
     engine = Engine(target.model, CharTokenizer(), (), EngineConfig(kv_budget=2**31, max_rows=500, max_waiting=n + 1,
                                                                    num_draft_tokens=3, adaptive_draft=False,
                                                                    verify_schedule="production"), drafter=provider)
-    collectors = []
-    with mock.patch.object(sampling.secrets, "randbits", side_effect=itertools.count(1)):
-        for _ in range(n):
-            collectors.append(Collector())
-            engine.submit(GenerationRequest(prompt, 4, SamplingParams(temperature=2.5, top_k=4)), collectors[-1])
-        engine.run_until_idle()
-    counts: dict[tuple[int, ...], int] = {}
-    for c in collectors:
-        key = tuple(c.result(0).token_ids[:3])
-        counts[key] = counts.get(key, 0) + 1
+    counts = sample_continuations(engine, prompt, params, n)
     totals = engine.drafting.totals
     assert 0 < totals.accepted < totals.drafted and all(n > 0 for n in provider.chosen), provider.chosen
     assert chi_square_p(counts, exact) > 1e-3

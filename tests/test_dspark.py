@@ -7,9 +7,7 @@ Tolerances are the fixture README's (§8): module intermediates within 1e-5, log
 
 from __future__ import annotations
 
-import itertools
 import json
-from unittest import mock
 
 import pytest
 import torch
@@ -233,10 +231,9 @@ def test_dspark_sampling_keeps_the_target_distribution(target, drafter, monkeypa
     the residual (the trained drafter's q is too close to p for that to show)."""
     from tests.goodness_of_fit import chi_square_p
 
-    from tests.tiny_models import CharTokenizer, exact_continuations
+    from tests.tiny_models import CharTokenizer, exact_continuations, sample_continuations
     from verispec.engine.engine import Engine, EngineConfig
     from verispec.engine.request import Collector, GenerationRequest
-    from verispec.engine import sampling
     from verispec.engine.sampling import SamplingParams
     from verispec.engine import verify as verify_module
     from verispec.drafting.dspark.source import DSparkProvider
@@ -256,19 +253,9 @@ def test_dspark_sampling_keeps_the_target_distribution(target, drafter, monkeypa
         engine = Engine(target.model, CharTokenizer(), (), EngineConfig(kv_budget=2**31, max_rows=500, max_waiting=n + 1,
                                                                        num_draft_tokens=3, adaptive_draft=False),
                         drafter=provider)
-        collectors = []
-        # unseeded (seeded requests verify by matching), from a fixed stream of "entropy"
-        with mock.patch.object(sampling.secrets, "randbits", side_effect=itertools.count(1)):
-            for i in range(n):
-                collectors.append(Collector())
-                engine.submit(GenerationRequest(prompt, 4, SamplingParams(temperature=2.5, top_k=4)), collectors[-1])
-            engine.run_until_idle()
+        counts = sample_continuations(engine, prompt, SamplingParams(temperature=2.5, top_k=4), n)
         totals = engine.drafting.totals
         assert 0 < totals.accepted < totals.drafted
-        counts = {}
-        for c in collectors:
-            key = tuple(c.result(0).token_ids[:3])
-            counts[key] = counts.get(key, 0) + 1
         return counts
 
     n = 8000

@@ -11,9 +11,7 @@ choosing whether to verify draft k (the paper's Appendix A).
 
 from __future__ import annotations
 
-import itertools
 import json
-from unittest import mock
 
 import pytest
 import torch
@@ -21,10 +19,9 @@ import torch
 from tests.goodness_of_fit import chi_square_p
 from tests.test_spec import (  # noqa: F401 - fixtures
     PROMPT, _engine, _repetitive_prompts, _run_staggered, exact_first_tokens, family, tiny_vocab_models)
-from tests.tiny_models import CharTokenizer, reference_greedy
+from tests.tiny_models import CharTokenizer, reference_greedy, sample_continuations
 from verispec.drafting.ngram import NgramProvider
 from verispec.drafting.two_model import TwoModelProvider
-from verispec.engine import sampling
 from verispec.engine.draft import Draft, DraftProvider
 from verispec.engine.engine import Engine, EngineConfig
 from verispec.engine.request import Collector, GenerationRequest
@@ -110,16 +107,7 @@ def _sample(target, provider, n, mode, sps, max_rows):
                                                               max_waiting=n + 1, adaptive_draft=False,
                                                               verify_schedule=mode), drafter=provider)
     engine.drafting.schedule.sps = sps
-    collectors = []
-    with mock.patch.object(sampling.secrets, "randbits", side_effect=itertools.count(1)):
-        for _ in range(n):
-            collectors.append(Collector())
-            engine.submit(GenerationRequest(PROMPT, 4, SamplingParams(temperature=0.8, top_k=5)), collectors[-1])
-        engine.run_until_idle()
-    counts: dict[tuple[int, ...], int] = {}
-    for c in collectors:
-        key = tuple(c.result(0).token_ids[:3])
-        counts[key] = counts.get(key, 0) + 1
+    counts = sample_continuations(engine, PROMPT, SamplingParams(temperature=0.8, top_k=5), n)
     return counts, engine.drafting.totals
 
 

@@ -14,23 +14,22 @@ Oracles:
 
 from __future__ import annotations
 
-import itertools
 import math
-from unittest import mock
 
 import pytest
 import torch
 
 from tests.goodness_of_fit import chi_square_p, chi_square_p_of_arrays
-from tests.tiny_models import CharTokenizer, build_reference, family_configs, reference_greedy, tiny_vocab_pair
+from tests.tiny_models import (
+    CharTokenizer, build_reference, family_configs, reference_greedy, sample_continuations, tiny_vocab_pair)
 from verispec.engine.engine import Engine, EngineConfig
 from verispec.engine.request import Collector, GenerationRequest
-from verispec.engine import sampling
 from verispec.engine.sampling import SamplingParams, make_generator, process_logits, sampling_probs
 from verispec.models.loader import load_folder
 from verispec.engine import verify as verify_module
 from verispec.drafting.ngram import NgramProvider
-from verispec.engine.draft_length import AcceptanceEstimate, CostPolicy, StepCosts, expected_tokens
+from verispec.engine.draft_length import AcceptanceEstimate, CostPolicy, expected_tokens
+from verispec.engine.step_costs import StepCosts
 from verispec.drafting.two_model import TwoModelProvider
 from verispec.engine.verify import VerifyRow, verify
 
@@ -149,19 +148,7 @@ def sample_first_tokens(target, drafter, n_requests: int, n: int = 3) -> dict[tu
     engine = Engine(target, CharTokenizer(), (), EngineConfig(kv_budget=2**31, max_rows=512, num_draft_tokens=3,
                                                               max_waiting=n_requests + 1,
                                                               adaptive_draft=False), drafter=drafter)
-    collectors = []
-    # unseeded requests (seeded ones verify by matching), each generator from a fixed
-    # stream of "entropy" so the test repeats itself
-    with mock.patch.object(sampling.secrets, "randbits", side_effect=itertools.count(1)):
-        for i in range(n_requests):
-            c = Collector()
-            engine.submit(GenerationRequest(PROMPT, n + 1, SamplingParams(temperature=0.8, top_k=5)), c)
-            collectors.append(c)
-        engine.run_until_idle()
-    counts: dict[tuple[int, ...], int] = {}
-    for c in collectors:
-        key = tuple(c.result(0).token_ids[:n])
-        counts[key] = counts.get(key, 0) + 1
+    counts = sample_continuations(engine, PROMPT, SamplingParams(temperature=0.8, top_k=5), n_requests, n)
     spec = engine.drafting.totals
     assert spec.drafted > 0 and 0 < spec.accepted < spec.drafted, "both acceptances and rejections happened"
     return counts

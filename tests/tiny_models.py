@@ -123,6 +123,30 @@ def exact_continuations(model, prompt: list[int], params, n: int) -> dict[tuple[
     return dist
 
 
+def sample_continuations(engine, prompt: list[int], params, requests: int, n: int = 3) -> dict[tuple[int, ...], int]:
+    """How often each sequence of first n tokens came out of `requests` unseeded requests
+    (seeded ones verify by matching) submitted to `engine` at once; each request's generator
+    from a fixed stream of "entropy", so the test repeats itself. What the chi-square tests
+    compare with `exact_continuations`."""
+    import itertools
+    from unittest import mock
+
+    from verispec.engine import sampling
+    from verispec.engine.request import Collector, GenerationRequest
+
+    collectors = []
+    with mock.patch.object(sampling.secrets, "randbits", side_effect=itertools.count(1)):
+        for _ in range(requests):
+            collectors.append(Collector())
+            engine.submit(GenerationRequest(prompt, n + 1, params), collectors[-1])
+        engine.run_until_idle()
+    counts: dict[tuple[int, ...], int] = {}
+    for c in collectors:
+        key = tuple(c.result(0).token_ids[:n])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 def reference_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
