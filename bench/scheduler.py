@@ -46,7 +46,7 @@ ARMS = ("none", "ngram", "ngram-strict", "ngram-production", "dspark-fixed3", "d
 
 
 def make_arm(loaded, arm: str):
-    from verispec.drafting.factory import build_drafter
+    from verispec.drafting.factory import build_drafter, shipped_dspark
     from verispec.drafting.ngram import NgramProvider
     from verispec.engine.engine import Engine, EngineConfig
 
@@ -55,7 +55,7 @@ def make_arm(loaded, arm: str):
     if arm.startswith("ngram"):
         drafter = NgramProvider()
     elif arm.startswith("dspark"):
-        drafter = build_drafter(loaded, None, None, torch.bfloat16)
+        drafter = shipped_dspark(loaded, torch.bfloat16)
     elif arm.startswith("composite"):
         drafter = build_drafter(loaded, "composite", None, torch.bfloat16)
     if arm.startswith("dspark-fixed"):

@@ -25,26 +25,14 @@ tokenizer on the streamed text (same tokenizer for every engine).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
 import tempfile
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-import psutil
-
-
-@dataclass
-class RequestResult:
-    ttft: float
-    decode_s: float
-    tokens: int
-    gaps: list[float] = field(default_factory=list)  # seconds between consecutive content chunks
+from verispec.bench.loadgen import RequestResult, RssSampler, quantile, run_lane_sync
 
 
 @dataclass
@@ -59,9 +47,9 @@ class LevelResult:
 
     def row(self) -> dict:
         tokens = sum(r.tokens for r in self.requests)
-        ttfts = sorted(r.ttft for r in self.requests)
-        per_stream = [(r.tokens - 1) / r.decode_s for r in self.requests if r.tokens > 1 and r.decode_s > 0]
-        gaps = sorted(g for r in self.requests for g in r.gaps)
+        ttfts = [r.ttft for r in self.requests]
+        per_stream = [r.stream_tok_s for r in self.requests if r.stream_tok_s is not None]
+        gaps = [g for r in self.requests for g in r.gaps]
         return {
             "engine": self.engine,
             "concurrency": self.concurrency,
@@ -69,101 +57,16 @@ class LevelResult:
             "errors": self.errors,
             "agg_tok_s": round(tokens / self.wall_s, 1),
             "stream_tok_s": round(statistics.median(per_stream), 1) if per_stream else None,
-            "ttft_p50_ms": round(_quantile(ttfts, 0.5) * 1000) if ttfts else None,
-            "ttft_p95_ms": round(_quantile(ttfts, 0.95) * 1000) if ttfts else None,
-            "itl_p95_ms": round(_quantile(gaps, 0.95) * 1000) if gaps else None,
+            "ttft_p50_ms": round(quantile(ttfts, 0.5) * 1000) if ttfts else None,
+            "ttft_p95_ms": round(quantile(ttfts, 0.95) * 1000) if ttfts else None,
+            "itl_p95_ms": round(quantile(gaps, 0.95) * 1000) if gaps else None,
             "peak_rss_mb": round(self.peak_rss / 2**20),
         }
 
 
-def _quantile(sorted_values: list[float], q: float) -> float:
-    if len(sorted_values) == 1:
-        return sorted_values[0]
-    return statistics.quantiles(sorted_values, n=100, method="inclusive")[round(q * 100) - 1]
-
-
-class RssSampler:
-    """Peak resident memory of a process and its children, sampled every 100 ms."""
-
-    def __init__(self, pid: int):
-        self.process = psutil.Process(pid)
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _sample(self) -> int:
-        try:
-            procs = [self.process, *self.process.children(recursive=True)]
-            return sum(p.memory_info().rss for p in procs)
-        except psutil.Error:
-            return 0
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._sample())
-            self._stop.wait(0.1)
-
-    def __enter__(self):
-        self.peak = self._sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-
-async def stream_one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
-                     count_tokens) -> RequestResult:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first = last = None
-    text, usage_tokens, gaps = [], None, []
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage_tokens = chunk["usage"].get("completion_tokens")
-            for choice in chunk.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    now = time.perf_counter()
-                    if last is not None:
-                        gaps.append(now - last)
-                    first = first or now
-                    last = now
-                    text.append(piece)
-    if first is None:
-        raise RuntimeError("no content streamed")
-    tokens = usage_tokens if usage_tokens else count_tokens("".join(text))
-    return RequestResult(first - t0, last - first, tokens, gaps)
-
-
-async def run_level(url: str, model: str, prompts: list[str], concurrency: int, n_requests: int, max_tokens: int,
-                    count_tokens) -> tuple[list[RequestResult], float, int]:
-    queue = list(reversed(prompts[:n_requests]))
-    results, errors = [], 0
-
-    async def client_loop(client):
-        nonlocal errors
-        while queue:
-            prompt = queue.pop()
-            try:
-                results.append(await stream_one(client, url, model, prompt, max_tokens, count_tokens))
-            except Exception as e:  # noqa: BLE001 - counted and reported, the level goes on
-                errors += 1
-                print(f"  request failed: {type(e).__name__}: {e}", file=sys.stderr)
-
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    return results, wall, errors
+def chat_bodies(model: str, prompts: list[str], max_tokens: int) -> list[dict]:
+    return [{"model": model, "messages": [{"role": "user", "content": p}], "max_tokens": max_tokens,
+             "temperature": 0} for p in prompts]
 
 
 def engine_commands(name: str, port: int, args, folder: Path, gguf: Path) -> tuple[list[str], str, str]:
@@ -182,21 +85,18 @@ def engine_commands(name: str, port: int, args, folder: Path, gguf: Path) -> tup
                "--host", "127.0.0.1", "--port", str(port)]
         return cmd, base + "/v1/models", str(folder)
     if name == "llama.cpp":
-        # interrupt_requests False: queue concurrent requests instead of cutting off the running stream
-        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port",
-               str(port), "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "4096",
-               "--interrupt_requests", "False"]
-        return cmd, base + "/v1/models", str(gguf)
+        from verispec.bench.peers import llamacpp_command
+
+        return llamacpp_command(name, gguf, port, args.threads), base + "/v1/models", str(gguf)
     raise SystemExit(f"unknown engine {name!r}")
 
 
 def available(name: str) -> str | None:
     """Why an engine cannot run here, or None."""
-    import importlib.util
+    if name == "llama.cpp":
+        from verispec.bench.peers import llamacpp_missing
 
-    if name == "llama.cpp" and (importlib.util.find_spec("llama_cpp") is None
-                                or importlib.util.find_spec("sse_starlette") is None):
-        return "llama-cpp-python[server] not installed"
+        return llamacpp_missing()
     if name == "transformers" and not Path(sys.executable).with_name("transformers").exists():
         return "transformers CLI not found"
     return None
@@ -255,13 +155,16 @@ def main() -> None:
         cmd, health, model = engine_commands(name, port, args, folder, gguf)
         url = f"http://127.0.0.1:{port}"
         print(f"{name}: starting ({' '.join(cmd[:6])} ...)", file=sys.stderr)
+        endpoint = url + "/v1/chat/completions"
         with server_process(cmd, health, timeout=600, log=logs / f"{name}.log") as proc:
-            asyncio.run(run_level(url, model, prompts[:2], 1, 2, 16, count_tokens))  # warm-up
+            run_lane_sync(endpoint, chat_bodies(model, prompts[:2], 16), 1, count_tokens)  # warm-up
             for c in args.levels:
                 with RssSampler(proc.pid) as rss:
-                    reqs, wall, errors = asyncio.run(
-                        run_level(url, model, prompts, c, per_level[c], args.max_tokens, count_tokens))
-                level = LevelResult(name, c, reqs, wall, rss.peak, errors)
+                    lane = run_lane_sync(endpoint, chat_bodies(model, prompts[:per_level[c]], args.max_tokens), c,
+                                         count_tokens)
+                for e in lane.errors:
+                    print(f"  request failed: {e}", file=sys.stderr)
+                level = LevelResult(name, c, lane.requests, lane.wall_s, rss.peak, len(lane.errors))
                 results.append(level)
                 print(f"  {json.dumps(level.row())}", file=sys.stderr)
 

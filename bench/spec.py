@@ -68,7 +68,6 @@ def truncated_drafter(folder: Path, layers: int, out: Path) -> Path:
     return out
 
 
-EVAL_SETS = ("mt-bench", "gsm8k", "humaneval", "mbpp")
 
 
 def workloads(tokenizer, n: int, names, max_prompt_tokens: int = 512) -> dict[str, list[list[int]]]:
@@ -80,7 +79,7 @@ def workloads(tokenizer, n: int, names, max_prompt_tokens: int = 512) -> dict[st
 
     out = {}
     if "eval" in names:
-        from verispec.training.dspark.measure import default_eval_dir, load_eval
+        from verispec.data.eval_prompts import EVAL_SETS, default_eval_dir, load_eval
 
         folder = default_eval_dir()
         if folder is None:
@@ -170,18 +169,18 @@ def main() -> None:
         elif name == "ngram":
             engines[name] = make_engine(loaded, NgramProvider())
         elif name == "dspark":
-            from verispec.drafting.factory import build_drafter
+            from verispec.drafting.factory import shipped_dspark
 
-            engines[name] = make_engine(loaded, build_drafter(loaded, None, None, torch.bfloat16))
+            engines[name] = make_engine(loaded, shipped_dspark(loaded, torch.bfloat16))
         elif name.rsplit("-", 1)[-1] in ("strict", "production") and name.split("-")[0] in ("ngram", "dspark"):
             # the verify scheduler (Algorithm 1) instead of the per-row cost policy
             source, mode = name.rsplit("-", 1)
             if source == "ngram":
                 provider = NgramProvider()
             else:
-                from verispec.drafting.factory import build_drafter
+                from verispec.drafting.factory import shipped_dspark
 
-                provider = build_drafter(loaded, None, None, torch.bfloat16)
+                provider = shipped_dspark(loaded, torch.bfloat16)
             engines[name] = make_engine(loaded, provider, verify_schedule=mode)
         elif name == "ngram-fixed":
             engines[name] = make_engine(loaded, NgramProvider(), num_draft_tokens=8, adaptive_draft=False)

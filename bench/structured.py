@@ -105,7 +105,7 @@ class GrammarClock:
 
 def build_engines(loaded, names, dtype):
     from verispec.engine.engine import Engine, EngineConfig
-    from verispec.drafting.factory import build_drafter
+    from verispec.drafting.factory import build_drafter, shipped_dspark
 
     engines = {}
     for name in names:
@@ -114,7 +114,7 @@ def build_engines(loaded, names, dtype):
             raise SystemExit(f"unknown engine {name!r}")
         drafter = {"plain": lambda: None,
                    "ngram": lambda: build_drafter(loaded, "ngram", None, dtype),
-                   "dspark": lambda: build_drafter(loaded, None, None, dtype)}[base]()
+                   "dspark": lambda: shipped_dspark(loaded, dtype)}[base]()
         if base == "dspark" and drafter is None:
             raise SystemExit("the default model has no shipped DSpark drafter")
         config = EngineConfig(kv_budget=2**32, forced_drafts=suffix != "unforced")

@@ -1,7 +1,8 @@
 """The DSpark drafter shipped for the embedded default model (src/verispec/drafters/):
 it fits the model it was trained for, fits the size budget, carries calibrated
-thresholds, is what `generate` / `serve` use unless told `--no-draft`, and changes no
-token: greedy outputs, batched with joins, equal plain decoding in float32."""
+thresholds, is what `--speculate dspark` uses (the default model's default speculation is
+the measured faster n-gram lookup), and changes no token: greedy outputs, batched with
+joins, equal plain decoding in float32."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from verispec.engine.engine import Engine, EngineConfig
 from verispec.engine.request import Collector, GenerationRequest
 from verispec.models.loader import load_model, read_config
 from verispec.models.tokenizer import encode_chat
-from verispec.drafting.factory import BUNDLED_DRAFTERS, build_drafter
+from verispec.drafting.factory import BUNDLED_DRAFTERS, DEFAULT_SPECULATION, build_drafter, shipped_dspark
 
 pytestmark = pytest.mark.real_model
 SHIPPED = BUNDLED_DRAFTERS["smollm2-135m-instruct"]
@@ -44,11 +45,18 @@ def test_the_shipped_drafter_fits_its_model_and_the_size_budget(smollm2_folder):
     assert on_disk <= 32 * 2**20, f"{on_disk / 2**20:.1f} MiB shipped"
 
 
-def test_the_shipped_drafter_is_the_default_and_no_draft_turns_it_off(smollm2):
+def test_the_default_speculation_is_the_measured_choice_and_no_draft_turns_it_off(smollm2):
+    """With no flag the default model speculates as DEFAULT_SPECULATION says (n-gram: it measured
+    faster than the shipped drafter, README "Speculation by default"); `--speculate dspark`
+    still gives the shipped drafter."""
     from verispec.drafting.dspark.source import DSparkProvider
+    from verispec.drafting.ngram import NgramProvider
 
-    assert isinstance(build_drafter(smollm2, None, None, torch.float32), DSparkProvider)
+    assert DEFAULT_SPECULATION["smollm2-135m-instruct"] == "ngram"
+    assert isinstance(build_drafter(smollm2, None, None, torch.float32), NgramProvider)
     assert build_drafter(smollm2, None, None, torch.float32, no_draft=True) is None
+    assert isinstance(build_drafter(smollm2, "dspark", None, torch.float32), DSparkProvider)
+    assert isinstance(shipped_dspark(smollm2, torch.float32), DSparkProvider)
 
 
 def _run(loaded, drafter, limits):
@@ -67,20 +75,20 @@ def _run(loaded, drafter, limits):
 def test_the_shipped_drafter_changes_no_token(smollm2):
     limits = [80, 96, 64]
     plain = _run(smollm2, None, limits)
-    spec = _run(smollm2, build_drafter(smollm2, None, None, torch.float32), limits)
+    spec = _run(smollm2, shipped_dspark(smollm2, torch.float32), limits)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     assert sum(r.speculation["accepted"] for r in spec) > 0, "the drafter's proposals were accepted"
 
 
-def test_generate_uses_it_unless_told_no_draft(smollm2_folder, capsys):
+def test_generate_speculates_by_default_and_with_the_shipped_drafter_unless_told_no_draft(smollm2_folder, capsys):
     args = ["generate", "-m", "smollm2-135m-instruct", "--max-tokens", "48", "--temperature", "0", "--dtype", "float32",
             PROMPTS[0]]
-    assert main(args) == 0
-    drafted = capsys.readouterr()
-    assert main([*args[:-1], "--no-draft", args[-1]]) == 0
-    plain = capsys.readouterr()
-    assert "spec:" in drafted.err and "spec:" not in plain.err
-    assert drafted.out == plain.out
+    outs = {}
+    for name, extra in (("default", []), ("dspark", ["--speculate", "dspark"]), ("plain", ["--no-draft"])):
+        assert main([*args[:-1], *extra, args[-1]]) == 0
+        outs[name] = capsys.readouterr()
+    assert "spec:" in outs["default"].err and "spec:" in outs["dspark"].err and "spec:" not in outs["plain"].err
+    assert outs["default"].out == outs["dspark"].out == outs["plain"].out
 
 
 def test_seeded_sampling_with_it_gives_plain_decodings_tokens(smollm2_folder, capsys):

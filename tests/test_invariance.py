@@ -58,13 +58,13 @@ def _outputs(loaded, drafter, max_tokens=64):
 
 
 def test_speculation_is_token_identical_in_the_default_dtype(served):
-    from verispec.drafting.factory import build_drafter
+    from verispec.drafting.factory import shipped_dspark
     from verispec.drafting.ngram import NgramProvider
 
     plain, _ = _outputs(served, None)
     ngram, engine = _outputs(served, NgramProvider())
     assert engine.drafting.totals.accepted > 0
-    dspark_provider = build_drafter(served, None, None, torch.bfloat16)
+    dspark_provider = shipped_dspark(served, torch.bfloat16)
     dspark, engine = _outputs(served, dspark_provider)
     assert engine.drafting.totals.accepted > 0
     print(f"default plan: {served.model.dtype}, {served.model.kernel_plan.describe()}")

@@ -32,7 +32,7 @@ MAX_TOKENS = 160
 # reference: grammar without any speculation, every token its own step; plain: the same
 # with forced-token drafts (the default); then n-gram and DSpark speculation
 LANES = {"reference": ("--no-draft", "--no-forced-drafts"), "plain": ("--no-draft",), "ngram": ("--speculate", "ngram"),
-         "dspark": ()}
+         "dspark": ("--speculate", "dspark")}
 
 
 @pytest.fixture(scope="module")

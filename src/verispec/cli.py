@@ -30,6 +30,7 @@ examples:
   verispec serve --draft-model ./smaller-same-tokenizer-model
   verispec models                                           list the embedded models
   verispec pull gemma3-270m                                 fetch + convert once
+  verispec bench matrix --quick                             every feature combination vs peers, ~10 min
 
 models (-m): an embedded model name (see `verispec models`), a Hugging Face folder
 (config.json + *.safetensors + tokenizer), a .gguf file, or a hub id when online.
@@ -69,12 +70,14 @@ def _add_structured_args(p: argparse.ArgumentParser) -> None:
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding (lossless: the same tokens at temperature 0, the same distribution above)")
-    g.add_argument("--speculate", choices=["ngram", "composite", "none"], default=None,
-                   help="ngram: draft by prompt lookup (no weights; pays on edits, summaries, code); composite: the "
-                        "model drafter (--draft-model, else the shipped one) and n-gram lookup for every row, the "
-                        "candidate with the larger expected gain verified each round; none: off")
+    g.add_argument("--speculate", choices=["ngram", "dspark", "composite", "none"], default=None,
+                   help="ngram: draft by prompt lookup (no weights; pays on edits, summaries, code); dspark: the DSpark "
+                        "drafter that ships with an embedded model (or --draft-model's); composite: the model drafter "
+                        "(--draft-model, else the shipped one) and n-gram lookup for every row, the candidate with the "
+                        "larger expected gain verified each round; none: off. Unset: what measured fastest for an "
+                        "embedded model (smollm2-135m-instruct: ngram), none for other models")
     g.add_argument("--no-draft", action="store_true",
-                   help="do not use the DSpark drafter that ships with an embedded model (the default model has one)")
+                   help="no speculation at all (turns off an embedded model's default speculation)")
     g.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="a DSpark drafter (DeepSpec-format folder or hub id, detected from its files), or a smaller "
                         "model with the same tokenizer (name, folder, .gguf or hub id)")
@@ -85,13 +88,13 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="most draft tokens a request verifies per step (default 8); fewer are drafted when they do not pay")
     g.add_argument("--fixed-draft", action="store_true",
                    help="always draft --num-draft-tokens (turn off the cost-based draft length policy)")
-    g.add_argument("--verify-schedule", choices=["cost", "strict", "production"], default="production",
-                   help="how many drafted tokens each request verifies per step: production (default: DSpark's "
-                        "Algorithm 1 in its global-search form, the token budget from two steps ago spent on this "
-                        "step's most confident drafts), strict (Algorithm 1 as printed: maximize expected tokens x "
-                        "measured steps/s across the step's rows, stopping at the first draft that does not pay), "
-                        "cost (each row's own cost-based draft length; what verispec did before). Chosen by "
-                        "bench/scheduler.py")
+    g.add_argument("--verify-schedule", choices=["cost", "strict", "production"], default="strict",
+                   help="how many drafted tokens each request verifies per step: strict (default: DSpark's Algorithm 1 "
+                        "as printed, maximize expected tokens x measured steps/s across the step's rows, stopping at "
+                        "the first draft that does not pay), production (its global-search form: the token budget from "
+                        "two steps ago spent on this step's most confident drafts), cost (each row's own cost-based "
+                        "draft length; what verispec did before). Chosen by bench/scheduler.py for the default n-gram "
+                        "source: the same aggregate tok/s as cost, the best per-stream tok/s at every concurrency")
     g.add_argument("--no-forced-drafts", action="store_true",
                    help="structured output: decode the tokens a grammar forces (JSON punctuation, property names) one "
                         "step each instead of verifying them as drafts (same output, more steps; for A/B runs)")
@@ -152,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     from verispec.dspark_cli import add_dspark_parser
 
     add_dspark_parser(sub, argparse.RawDescriptionHelpFormatter)
+
+    from verispec.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, argparse.RawDescriptionHelpFormatter)
 
     prof = sub.add_parser("profile", help="show (or measure again) this machine's kernel choices and SPS table",
                           description="The kernels verispec chose for each matrix of a model on this machine, with "
@@ -221,6 +228,10 @@ def _dispatch(args) -> int:
         from verispec.dspark_cli import run_dspark
 
         return run_dspark(args)
+    if args.command == "bench":
+        from verispec.bench.cli import run_bench
+
+        return run_bench(args)
     raise UserError(f"unknown command {args.command!r}")
 
 

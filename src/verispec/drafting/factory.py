@@ -8,38 +8,56 @@ from pathlib import Path
 from verispec.errors import UserError
 from verispec.engine.draft import MAX_DRAFT_TOKENS, DraftProvider
 
-SPECULATE_CHOICES = ("ngram", "composite", "none")
+SPECULATE_CHOICES = ("ngram", "dspark", "composite", "none")
 # embedded model -> its trained DSpark drafter, shipped in the package (README, "The default drafter")
 BUNDLED_DRAFTERS = {"smollm2-135m-instruct": Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-instruct"}
+# embedded model -> what `serve` / `generate` speculate with when no flag says otherwise:
+# "dspark" (its shipped drafter) or "ngram", whichever measured faster (bench/scheduler.py on
+# an AMD Zen 5 and an Intel AMX host: n-gram 1.02x no speculation, the shipped drafter
+# 0.92-0.97x; README "Speculation by default"); a model not listed speculates only when asked
+DEFAULT_SPECULATION = {"smollm2-135m-instruct": "ngram"}
+
+
+def embedded_name(target) -> str | None:
+    """The registry name of an embedded model being served, or None."""
+    from verispec.models import registry
+
+    for name in registry.REGISTRY:
+        if target.name == name or Path(target.folder).resolve() == registry._model_folder(name).resolve():
+            return name
+    return None
+
+
+def default_speculation(model: str | None) -> str | None:
+    """The default arm of an embedded model (by registry name): "dspark", "ngram" or None."""
+    choice = DEFAULT_SPECULATION.get(model or "")
+    if choice == "dspark" and not (BUNDLED_DRAFTERS[model] / "config.json").is_file():
+        return None
+    return choice
 
 
 def bundled_drafter(target) -> Path | None:
     """The shipped drafter for this target, if it is an embedded model that has one."""
-    from verispec.models import registry
-
-    for name, folder in BUNDLED_DRAFTERS.items():
-        same = target.name == name or Path(target.folder).resolve() == registry._model_folder(name).resolve()
-        if same and (folder / "config.json").is_file():
-            return folder
-    return None
+    folder = BUNDLED_DRAFTERS.get(embedded_name(target) or "")
+    return folder if folder is not None and (folder / "config.json").is_file() else None
 
 
 def build_drafter(target, speculate: str | None, draft_model: str | None, dtype,
                   confidence_threshold: float | None = None, no_draft: bool = False) -> DraftProvider | None:
     """`target` is the LoadedModel being served. None: no speculation. With no choice made,
-    an embedded model's shipped drafter is used (`no_draft` turns that off)."""
+    an embedded model speculates as DEFAULT_SPECULATION says (`no_draft` turns that off)."""
     if no_draft and (draft_model or speculate not in (None, "none")):
         raise UserError("--no-draft turns speculation off; it cannot go with --speculate or --draft-model")
     if speculate == "composite":
         return composite_drafter(target, draft_model, dtype, confidence_threshold)
-    if draft_model and speculate not in (None, "none"):
+    if draft_model and speculate not in (None, "none", "dspark"):
         raise UserError("choose one of --speculate and --draft-model (or --speculate composite to use both)")
     if draft_model:
         return load_drafter(target, draft_model, dtype, confidence_threshold)
     if speculate is None and not no_draft:
-        shipped = bundled_drafter(target)
-        if shipped is not None:
-            return load_drafter(target, str(shipped), dtype, confidence_threshold, label="the shipped drafter")
+        speculate = default_speculation(embedded_name(target))
+    if speculate == "dspark":
+        return shipped_dspark(target, dtype, confidence_threshold)
     if speculate in (None, "none"):
         return None
     if speculate == "ngram":
@@ -47,6 +65,15 @@ def build_drafter(target, speculate: str | None, draft_model: str | None, dtype,
 
         return NgramProvider()
     raise UserError(f"unknown --speculate {speculate!r}; choose one of {', '.join(SPECULATE_CHOICES)}")
+
+
+def shipped_dspark(target, dtype, confidence_threshold: float | None = None) -> DraftProvider:
+    """The DSpark drafter that ships for this embedded model (whatever the default is)."""
+    shipped = bundled_drafter(target)
+    if shipped is None:
+        raise UserError("--speculate dspark: this model ships no DSpark drafter; give --draft-model (a DeepSpec-format "
+                        "folder or hub id, or a run trained with `verispec dspark train`)")
+    return load_drafter(target, str(shipped), dtype, confidence_threshold, label="the shipped drafter")
 
 
 def composite_drafter(target, draft_model: str | None, dtype, confidence_threshold: float | None = None):
@@ -57,11 +84,10 @@ def composite_drafter(target, draft_model: str | None, dtype, confidence_thresho
 
     if draft_model:
         model = load_drafter(target, draft_model, dtype, confidence_threshold)
+    elif bundled_drafter(target) is None:
+        raise UserError("--speculate composite needs a drafter: this model ships none, give --draft-model")
     else:
-        shipped = bundled_drafter(target)
-        if shipped is None:
-            raise UserError("--speculate composite needs a drafter: this model ships none, give --draft-model")
-        model = load_drafter(target, str(shipped), dtype, confidence_threshold, label="the shipped drafter")
+        model = shipped_dspark(target, dtype, confidence_threshold)
     return CompositeProvider([model, NgramProvider()])
 
 

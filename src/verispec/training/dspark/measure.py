@@ -18,24 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-
-def default_eval_dir() -> Path | None:
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        candidate = parent / "shared" / "eval-prompts"
-        if candidate.is_dir():
-            return candidate
-    return None
-
-
-def load_eval(folder: Path, name: str, count: int) -> list[str]:
-    path = folder / f"{name}.jsonl"
-    if not path.is_file():
-        from verispec.errors import UserError
-
-        raise UserError(f"no eval dataset {path}")
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
-    return [r["turns"][0] for r in rows[:count]]
+from verispec.data.eval_prompts import default_eval_dir, load_eval
 
 
 def run_measure(args) -> int:

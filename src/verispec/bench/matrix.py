@@ -1,0 +1,498 @@
+"""`verispec bench matrix`: every combination of batching, grammar and speculation, per
+model and workload, against peers, in one run.
+
+A cell is (model, arm, lane, workload, grammar):
+
+  arm       none (`--no-draft`), ngram (`--speculate ngram`), dspark (`--draft-model`: the
+            drafter given, else the one verispec ships for the model), default (what
+            `verispec serve -m MODEL` does with no flags; when that is one of the other arms
+            its cells are that arm's, measured once and reported under both names), and the
+            peers (bench/peers.py: llama.cpp, llama.cpp-lookup, transformers)
+  lane      serial (1 streaming client), batch4, batch8 (4 / 8 concurrent streaming clients,
+            closed loop: a client sends its next request when one finishes)
+  workload  chat, long, json (bench/workloads.py); grammar on only for json, where the
+            grammar-off cell is the same prompts unconstrained
+
+verispec arms run in a server this command starts (`verispec serve`, one per arm) or, with
+`--url`, in a server already running (its configuration is then the only arm). Each cell
+runs `--repeats` times (the arms' servers in turn, so slow drift hits every arm alike) and
+reports the median of each metric: aggregate tok/s (all tokens / wall time), per-stream
+tok/s (a request's tokens after its first / time after its first; median over requests),
+TTFT p50 / p95 at the first SSE content event, tau and drafts verified per row-round
+(usage.speculation), schema conformance (grammar cells: every output validated against its
+schema with jsonschema; any verispec output that fails stops the run with that output
+shown, exit code 1), the server's peak RSS. Ratios: `vs none` against verispec's none cell
+of the same model, lane, workload and grammar; `grammar` the cell's tok/s over its own
+grammar-off cell. Nothing is compared across runs.
+
+Before anything runs, a preflight looks at the load average and at other processes using
+the CPU: on a busy machine it warns and stamps the results "busy" (not quotable).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from verispec.bench.loadgen import LaneResult, RssSampler, quantile, run_lane_sync, warn
+
+ARMS = ("none", "ngram", "dspark", "default")
+LANES = {"serial": 1, "batch4": 4, "batch8": 8}
+SERVER_FLAGS = {"none": ["--no-draft"], "ngram": ["--speculate", "ngram"], "default": []}
+
+
+@dataclass(frozen=True)
+class CellKey:
+    model: str
+    arm: str
+    lane: str
+    workload: str
+    grammar: bool
+
+    @property
+    def label(self) -> str:
+        return f"{self.workload}{'+grammar' if self.grammar else ''}"
+
+
+@dataclass
+class Cell:
+    key: CellKey
+    runs: list[LaneResult] = field(default_factory=list)
+    peak_rss: list[int] = field(default_factory=list)
+    invalid: list[str] = field(default_factory=list)  # outputs that failed their schema
+    checked: int = 0
+    skipped: str | None = None
+    same_as: str | None = None  # the arm whose server this arm is
+
+    def metrics(self) -> dict:
+        k = self.key
+        row = {"model": k.model, "arm": k.arm, "lane": k.lane, "concurrency": LANES[k.lane], "workload": k.workload,
+               "grammar": k.grammar}
+        if self.skipped:
+            return {**row, "skipped": self.skipped}
+        runs = [r for r in self.runs if r.requests]
+        if not runs:
+            return {**row, "skipped": "every request failed: " + "; ".join(e for r in self.runs for e in r.errors)[:300]}
+
+        def med(values):
+            values = [v for v in values if v is not None]
+            return statistics.median(values) if values else None
+
+        spec = [q.usage.get("speculation") for r in runs for q in r.requests if q.usage and q.usage.get("speculation")]
+        rounds = sum(s["rounds"] for s in spec)
+        out = {
+            **row,
+            "repeats": len(runs),
+            "requests": len(runs[0].requests),
+            "tokens": med([sum(q.tokens for q in r.requests) for r in runs]),
+            "agg_tok_s": round(med([r.agg_tok_s for r in runs]), 1),
+            "stream_tok_s": _round(med([med([q.stream_tok_s for q in r.requests]) for r in runs])),
+            "ttft_p50_ms": _ms(med([quantile([q.ttft for q in r.requests], 0.5) for r in runs])),
+            "ttft_p95_ms": _ms(med([quantile([q.ttft for q in r.requests], 0.95) for r in runs])),
+            "tau": round(sum(s["mean_accepted_length"] * s["rounds"] for s in spec) / rounds, 3) if rounds else 1.0,
+            "verify_per_step": round(sum(s["drafted"] for s in spec) / rounds, 3) if rounds else 0.0,
+            "peak_rss_mb": round(max(self.peak_rss) / 2**20) if self.peak_rss and max(self.peak_rss) else None,
+            "errors": sum(len(r.errors) for r in self.runs),
+        }
+        if k.grammar:
+            out["conformance"] = round(1 - len(self.invalid) / self.checked, 4) if self.checked else None
+            if self.invalid:
+                out["invalid"] = self.invalid[:3]
+        if self.same_as:
+            out["same_as"] = self.same_as
+        return out
+
+
+def _round(v):
+    return None if v is None else round(v, 1)
+
+
+def _ms(v):
+    return None if v is None else round(v * 1000)
+
+
+@dataclass
+class Plan:
+    model: str
+    arms: list[str]
+    lanes: list[str]
+    workloads: dict  # name -> Workload
+    grammar: list[bool]
+    repeats: int
+    chat: bool  # chat requests (the model has a chat template) or completions
+
+    def cells(self, arm: str):
+        for lane in self.lanes:
+            for name, workload in self.workloads.items():
+                for grammar in (self.grammar if name == "json" else [False]):
+                    key = CellKey(self.model, arm, lane, name, grammar)
+                    yield key, workload
+
+
+def skipped_by_flag(key: CellKey, patterns: set[str]) -> bool:
+    """--skip takes arm, lane, workload or 'grammar' names, or 'arm:lane:workload' triples
+    (a '*' matches anything)."""
+    parts = (key.arm, key.lane, key.label)
+    for p in patterns:
+        if ":" in p:
+            want = p.split(":")
+            if len(want) == 3 and all(w in ("*", got) for w, got in zip(want, parts)):
+                return True
+        elif p in (key.arm, key.lane, key.workload) or (p == "grammar" and key.grammar):
+            return True
+    return False
+
+
+def requests_for(workload, lane: str, chat: bool, model_name: str) -> list[dict]:
+    count = max(len(workload.prompts), LANES[lane])
+    return workload.bodies(model_name, chat, count)
+
+
+def check_conformance(cell: Cell, bodies: list[dict], result: LaneResult) -> None:
+    from verispec.bench.workloads import validate
+
+    for index, req in enumerate(result.requests):
+        schema = _schema_of(bodies[index])
+        if schema is None:
+            continue
+        cell.checked += 1
+        why = validate(req.text, schema)
+        if why:
+            cell.invalid.append(f"{why}; output: {req.text[:400]!r} (finish_reason {req.finish_reason})")
+
+
+def _schema_of(body: dict) -> dict | None:
+    fmt = body.get("response_format")
+    return fmt["json_schema"]["schema"] if fmt else None
+
+
+def run_cells(url: str, served_name: str, plan: Plan, arm: str, cells: dict, pid: int | None, rep: int,
+              count_tokens, body_hook=None) -> None:
+    """One repeat of every cell of `arm` against the server at `url`."""
+    for key, workload in plan.cells(arm):
+        cell = cells.setdefault(key, Cell(key))
+        if cell.skipped:
+            continue
+        bodies = requests_for(workload, key.lane, plan.chat, served_name)
+        if not key.grammar:
+            bodies = [{k: v for k, v in b.items() if k != "response_format"} for b in bodies]
+        sent = [body_hook(b) for b in bodies] if body_hook else bodies
+        endpoint = url + ("/v1/chat/completions" if plan.chat else "/v1/completions")
+        sampler = RssSampler(pid) if pid else None
+        if sampler:
+            sampler.__enter__()
+        try:
+            result = run_lane_sync(endpoint, sent, LANES[key.lane], count_tokens)
+        finally:
+            if sampler:
+                sampler.__exit__(None, None, None)
+        cell.runs.append(result)
+        cell.peak_rss.append(sampler.peak if sampler else 0)
+        if key.grammar:
+            check_conformance(cell, bodies, result)
+        for e in result.errors:
+            warn(f"  {key.arm} {key.lane} {key.label}: {e}")
+        m = cell.metrics()
+        warn(f"  [{rep + 1}/{plan.repeats}] {key.arm:<17}{key.lane:<8}{key.label:<13} "
+             f"{m.get('agg_tok_s', 0):>7.1f} tok/s  TTFT p50 {m.get('ttft_p50_ms')} ms  tau {m.get('tau')}")
+
+
+def warm_up(url: str, served_name: str, plan: Plan, count_tokens, body_hook=None) -> None:
+    """One short request of each workload (kernel plans, grammar compiles, caches)."""
+    endpoint = url + ("/v1/chat/completions" if plan.chat else "/v1/completions")
+    bodies = []
+    for name, workload in plan.workloads.items():
+        body = workload.bodies(served_name, plan.chat, 1)[0]
+        bodies.append({**body, "max_tokens": 16} if name != "json" else body)
+    if body_hook:
+        bodies = [body_hook(b) for b in bodies]
+    run_lane_sync(endpoint, bodies, 1, count_tokens)
+
+
+# -- the run ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Options:
+    models: list[str]
+    arms: list[str]
+    peers: list[str]
+    lanes: list[str]
+    workloads: list[str]
+    grammar: list[bool]
+    repeats: int
+    prompts: int
+    max_tokens: dict
+    threads: int
+    draft_model: str | None
+    eval_dir: Path
+    out: Path
+    url: str | None = None
+    skip: set[str] = field(default_factory=set)
+    serve_args: list[str] = field(default_factory=list)
+    plots: bool = True
+    dtype: str = "auto"
+
+
+def dspark_drafter_for(model: str, draft_model: str | None) -> tuple[str | None, str]:
+    """(the --draft-model for the dspark arm, or None; why not)."""
+    if draft_model:
+        return draft_model, ""
+    from verispec.drafting.factory import BUNDLED_DRAFTERS
+
+    folder = BUNDLED_DRAFTERS.get(model)
+    if folder is not None and (folder / "config.json").is_file():
+        return str(folder), ""
+    return None, f"no DSpark drafter ships for {model}: pass --draft-model"
+
+
+def default_arm(model: str) -> str | None:
+    """Which measured arm `verispec serve -m MODEL` with no flags runs, when it is one."""
+    from verispec.drafting.factory import default_speculation
+
+    return default_speculation(model)
+
+
+def run_matrix(opts: Options) -> dict:
+    from verispec.bench.preflight import preflight
+    from verispec.models.registry import display_name
+
+    started = time.time()
+    machine = preflight(opts.threads)
+    for line in machine["warnings"]:
+        warn(f"preflight: {line}")
+    opts.out.mkdir(parents=True, exist_ok=True)
+    logs = opts.out / "logs"
+    logs.mkdir(exist_ok=True)
+    cells: dict[CellKey, Cell] = {}
+    models_info = {}
+    for model in opts.models:
+        models_info[display_name(model)] = _run_model(model, opts, cells, logs)
+    rows = [c.metrics() for c in cells.values()]
+    _ratios(rows)
+    result = {"bench": "matrix", "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)),
+              "minutes": round((time.time() - started) / 60, 1), "machine": machine, "models": models_info,
+              "repeats": opts.repeats, "rows": rows}
+    return result
+
+
+def _run_model(model: str, opts: Options, cells: dict, logs: Path) -> dict:
+    from verispec.bench.peers import (LLAMACPP_ARMS, llamacpp_body, llamacpp_command, llamacpp_missing,
+                                      run_transformers, transformers_missing)
+    from verispec.bench.workloads import build_workloads
+    from verispec.models.registry import display_name
+    from verispec.models.tokenizer import has_chat_template, load_tokenizer
+    from verispec.server.launch import free_port, server_process, verispec_serve_command
+
+    folder, gguf = _model_files(model)
+    tokenizer = load_tokenizer(folder)
+    chat = has_chat_template(tokenizer)
+    workloads = {k: v for k, v in build_workloads(opts.eval_dir, opts.prompts, opts.max_tokens).items()
+                 if k in opts.workloads}
+    plan = Plan(display_name(model), opts.arms, opts.lanes, workloads, opts.grammar, opts.repeats, chat)
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    info = {"chat": chat, "folder": folder.name, "arms": {}}
+    warn(f"{model}: {'chat' if chat else 'completion'} workloads {', '.join(workloads)}; lanes {', '.join(opts.lanes)}")
+
+    # which servers run: arm -> (flags) or a reason it cannot run
+    servers: dict[str, list[str] | str] = {}
+    if opts.url:
+        servers["served"] = []
+    for arm in ([] if opts.url else opts.arms):
+        if arm == "dspark":
+            drafter, why = dspark_drafter_for(model, opts.draft_model)
+            servers[arm] = ["--draft-model", drafter] if drafter else why
+        else:
+            servers[arm] = SERVER_FLAGS[arm]
+    alias = default_arm(model) if "default" in servers and not opts.draft_model else None
+    if alias in servers and isinstance(servers[alias], list):
+        servers["default"] = "=" + alias
+    for arm in opts.peers:
+        if arm in LLAMACPP_ARMS:
+            servers[arm] = llamacpp_missing() or ("no GGUF for this model" if gguf is None else ["llama.cpp"])
+        elif arm == "transformers":
+            servers[arm] = transformers_missing() or ["in-process"]
+
+    for arm, flags in servers.items():
+        for key, _ in plan.cells(arm):
+            cell = cells.setdefault(key, Cell(key))
+            if isinstance(flags, str) and not flags.startswith("="):
+                cell.skipped = flags
+            elif skipped_by_flag(key, opts.skip):
+                cell.skipped = "skipped by --skip"
+            elif arm == "transformers" and (key.lane != "serial" or key.grammar):
+                cell.skipped = "transformers generate: serial lane, no grammar (no serving, no structured output)"
+        info["arms"][arm] = flags if isinstance(flags, str) else " ".join(flags) or "(no flags)"
+
+    for rep in range(opts.repeats):
+        for arm, flags in servers.items():
+            if isinstance(flags, str) or all(c.skipped for k, c in cells.items() if k.model == plan.model and k.arm == arm):
+                continue
+            warn(f"{model} / {arm}: repeat {rep + 1} of {opts.repeats}")
+            if arm == "served":
+                run_cells(opts.url, _served_name(opts.url), plan, arm, cells, None, rep, count_tokens)
+            elif arm == "transformers":
+                for key, workload in plan.cells(arm):
+                    cell = cells[key]
+                    if not cell.skipped:
+                        cell.runs.append(run_transformers(folder, requests_for(workload, key.lane, chat, model),
+                                                          opts.threads))
+                        cell.peak_rss.append(0)
+            else:
+                port = free_port()
+                if arm in LLAMACPP_ARMS:
+                    cmd, health, name, hook = (llamacpp_command(arm, gguf, port, opts.threads),
+                                               f"http://127.0.0.1:{port}/v1/models", str(gguf), llamacpp_body)
+                else:
+                    cmd = verispec_serve_command(port, "-m", model, "--threads", str(opts.threads), "--dtype",
+                                                 opts.dtype, "--max-batch", str(max(LANES[l] for l in opts.lanes)),
+                                                 *flags, *opts.serve_args)
+                    health, name, hook = f"http://127.0.0.1:{port}/health", model, None
+                with server_process(cmd, health, timeout=900, log=logs / f"{slug(model)}-{arm}.log") as proc:
+                    url = f"http://127.0.0.1:{port}"
+                    if rep == 0 and arm not in LLAMACPP_ARMS:
+                        info["arms"][arm] = _describe_server(url) or info["arms"][arm]
+                    warm_up(url, name, plan, count_tokens, hook)
+                    run_cells(url, name, plan, arm, cells, proc.pid, rep, count_tokens, hook)
+    for arm, flags in servers.items():  # the default arm measured as another arm
+        if isinstance(flags, str) and flags.startswith("="):
+            for key, _ in plan.cells(arm):
+                source = cells.get(CellKey(key.model, flags[1:], key.lane, key.workload, key.grammar))
+                cell = cells[key]
+                if source and not cell.skipped:
+                    cell.runs, cell.peak_rss, cell.invalid, cell.checked = (source.runs, source.peak_rss,
+                                                                             source.invalid, source.checked)
+                    cell.skipped, cell.same_as = source.skipped, flags[1:]
+            info["arms"][arm] = f"the {flags[1:]} arm (verispec's default for {model})"
+    return info
+
+
+def _ratios(rows: list[dict]) -> None:
+    by = {(r["model"], r["arm"], r["lane"], r["workload"], r["grammar"]): r for r in rows if "agg_tok_s" in r}
+    for r in rows:
+        if "agg_tok_s" not in r:
+            continue
+        base = by.get((r["model"], "none", r["lane"], r["workload"], r["grammar"]))
+        r["vs_none"] = round(r["agg_tok_s"] / base["agg_tok_s"], 3) if base and base["agg_tok_s"] else None
+        if r["grammar"]:
+            off = by.get((r["model"], r["arm"], r["lane"], r["workload"], False))
+            r["grammar_ratio"] = round(r["agg_tok_s"] / off["agg_tok_s"], 3) if off and off["agg_tok_s"] else None
+
+
+def _model_files(model: str):
+    """(HF folder, GGUF path or None) of a model name, folder or file."""
+    from verispec.models.registry import REGISTRY, model_gguf_path, resolve_model
+
+    folder = Path(resolve_model(model))
+    gguf = None
+    if model in REGISTRY:
+        gguf = model_gguf_path(model)
+    elif model.endswith(".gguf"):
+        gguf = Path(model)
+    return folder, gguf
+
+
+def _served_name(url: str) -> str:
+    import httpx
+
+    return httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def _describe_server(url: str) -> str | None:
+    import httpx
+
+    try:
+        spec = httpx.get(url + "/stats", timeout=10).json().get("speculation")
+    except Exception:  # noqa: BLE001 - a description only
+        return None
+    if not spec:
+        return "no speculation"
+    return f"{spec.get('provider')}, verify schedule {spec.get('verify_schedule')}"
+
+
+def slug(text: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in Path(text).name)
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    lines = [f"# verispec bench matrix — {result['started']} ({result['minutes']} min)", "",
+             f"Machine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}; "
+             f"load average before the run {m['loadavg']:.2f}."
+             + (" **BUSY MACHINE: these numbers are not quotable** (" + "; ".join(m["warnings"]) + ")."
+                if m["busy"] else ""),
+             f"Median of {result['repeats']} repeats per cell; greedy; `vs none` = this cell's aggregate tok/s over "
+             f"verispec's none cell (same model, lane, workload, grammar); `grammar` = over the same arm's "
+             f"grammar-off cell.", ""]
+    for model, info in result["models"].items():
+        lines += [f"## {model} ({'chat' if info['chat'] else 'completion'} workloads)", ""]
+        lines += [f"- **{arm}**: {desc}" for arm, desc in info["arms"].items()]
+        lines += ["", "| lane | workload | arm | agg tok/s | vs none | stream tok/s | TTFT p50 / p95 ms | tau | "
+                      "verify/step | grammar | conform | peak RSS MB |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        rows = [r for r in result["rows"] if r["model"] == model]
+        order = {a: i for i, a in enumerate(dict.fromkeys(r["arm"] for r in rows))}
+        rows.sort(key=lambda r: (list(LANES).index(r["lane"]), r["workload"], r["grammar"], order[r["arm"]]))
+        for r in rows:
+            label = r["workload"] + (" +grammar" if r["grammar"] else "")
+            if "skipped" in r:
+                lines.append(f"| {r['lane']} | {label} | {r['arm']} | skipped: {r['skipped']} |||||||||")
+                continue
+            lines.append(
+                f"| {r['lane']} | {label} | {r['arm']}{' (= ' + r['same_as'] + ')' if r.get('same_as') else ''} | "
+                f"{r['agg_tok_s']:.1f} | {_x(r.get('vs_none'))} | {_f(r['stream_tok_s'])} | "
+                f"{r['ttft_p50_ms']} / {r['ttft_p95_ms']} | {r['tau']:.2f} | {r['verify_per_step']:.2f} | "
+                f"{_x(r.get('grammar_ratio'))} | {_pct(r.get('conformance'))} | {r['peak_rss_mb'] or '-'} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _x(v) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _f(v) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
+def write_outputs(result: dict, out: Path, plots: bool = True) -> list[Path]:
+    written = [out / "matrix.md", out / "cells.jsonl"]
+    (out / "matrix.md").write_text(markdown(result) + "\n")
+    with open(out / "cells.jsonl", "w") as f:
+        for row in result["rows"]:
+            f.write(json.dumps(row) + "\n")
+    (out / "matrix.json").write_text(json.dumps(result, indent=1) + "\n")
+    written.append(out / "matrix.json")
+    if plots:
+        from verispec.bench.plots import bars, heatmap
+
+        written += heatmap(result, out) + bars(result, out)
+    return written
+
+
+def conformance_failures(result: dict) -> list[dict]:
+    """verispec cells below 100% schema conformance (peers are reported, not gated)."""
+    from verispec.bench.peers import LLAMACPP_ARMS
+
+    return [r for r in result["rows"] if r.get("conformance") is not None and r["conformance"] < 1
+            and r["arm"] not in LLAMACPP_ARMS]
+
+
+def default_out() -> Path:
+    return Path(tempfile.gettempdir()) / f"verispec-matrix-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
