@@ -153,7 +153,7 @@ def main() -> None:
 
 
 def _plot(rows: list[dict], png: Path) -> None:
-    from verispec.training.plots import pyplot
+    from verispec.plots import pyplot
 
     plt = pyplot()
     temps = sorted({r["temperature"] for r in rows})

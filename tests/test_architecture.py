@@ -25,6 +25,8 @@ FORBIDDEN = {
     "grammar": ("engine", "server", "drafting", "training", "models"),
     "drafting": ("server", "training"),
     "server": ("training",),
+    # a client over HTTP: servers it starts, the registry for model files, never the engine
+    "bench": ("engine", "training", "grammar"),
 }
 
 

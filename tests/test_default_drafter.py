@@ -16,7 +16,8 @@ from verispec.engine.engine import Engine, EngineConfig
 from verispec.engine.request import Collector, GenerationRequest
 from verispec.models.loader import load_model, read_config
 from verispec.models.tokenizer import encode_chat
-from verispec.drafting.factory import BUNDLED_DRAFTERS, DEFAULT_SPECULATION, build_drafter, shipped_dspark
+from verispec.drafting.factory import BUNDLED_DRAFTERS, build_drafter, shipped_dspark
+from verispec.models.catalog import REGISTRY
 
 pytestmark = pytest.mark.real_model
 SHIPPED = BUNDLED_DRAFTERS["smollm2-135m-instruct"]
@@ -46,13 +47,13 @@ def test_the_shipped_drafter_fits_its_model_and_the_size_budget(smollm2_folder):
 
 
 def test_the_default_speculation_is_the_measured_choice_and_no_draft_turns_it_off(smollm2):
-    """With no flag the default model speculates as DEFAULT_SPECULATION says (n-gram: it measured
+    """With no flag the default model speculates as its catalog entry says (n-gram: it measured
     faster than the shipped drafter, README "Speculation by default"); `--speculate dspark`
     still gives the shipped drafter."""
     from verispec.drafting.dspark.source import DSparkProvider
     from verispec.drafting.ngram import NgramProvider
 
-    assert DEFAULT_SPECULATION["smollm2-135m-instruct"] == "ngram"
+    assert REGISTRY["smollm2-135m-instruct"].speculation == "ngram"
     assert isinstance(build_drafter(smollm2, None, None, torch.float32), NgramProvider)
     assert build_drafter(smollm2, None, None, torch.float32, no_draft=True) is None
     assert isinstance(build_drafter(smollm2, "dspark", None, torch.float32), DSparkProvider)

@@ -93,8 +93,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "as printed, maximize expected tokens x measured steps/s across the step's rows, stopping at "
                         "the first draft that does not pay), production (its global-search form: the token budget from "
                         "two steps ago spent on this step's most confident drafts), cost (each row's own cost-based "
-                        "draft length; what verispec did before). Chosen by bench/scheduler.py for the default n-gram "
-                        "source: the same aggregate tok/s as cost, the best per-stream tok/s at every concurrency")
+                        "draft length; what verispec did before). Chosen by bench/scheduler.py: for the default n-gram "
+                        "source strict and cost are tied and production is below both (README, Verify scheduling)")
     g.add_argument("--no-forced-drafts", action="store_true",
                    help="structured output: decode the tokens a grammar forces (JSON punctuation, property names) one "
                         "step each instead of verifying them as drafts (same output, more steps; for A/B runs)")

@@ -38,9 +38,10 @@ def _size_arg(text: str) -> int:
 def add_kernel_args(p) -> None:
     g = p.add_argument_group("kernels (chosen by measurement on this machine, cached: `verispec profile` shows them)")
     g.add_argument("--kernels", choices=["auto", "invariant", "fastest", "onednn"], default="auto",
-                   help="auto: batch-invariant kernels when they cost <= 5%% more than the fastest (then speculation is "
-                        "token-identical to plain decoding in any dtype), else the fastest; invariant / fastest force "
-                        "either; onednn: PyTorch's kernels only")
+                   help="auto: batch-invariant kernels wherever every matrix has one (then speculation is "
+                        "token-identical to plain decoding in any dtype; `verispec profile` shows what that costs), "
+                        "else the fastest; invariant / fastest force either (fastest may change greedy tokens under "
+                        "speculation or batching at near-ties); onednn: PyTorch's kernels only")
     g.add_argument("--quant", choices=["auto", "none", "q8_0", "q4_1"], default="auto",
                    help="weight format: auto = per matrix the smallest format that reproduces the model's weights "
                         "exactly (a GGUF's own q4_1 / q8_0 tensors), else the dtype; q8_0 / q4_1: those exact "

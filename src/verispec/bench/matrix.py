@@ -42,7 +42,10 @@ from verispec.bench.loadgen import LaneResult, RssSampler, quantile, run_lane_sy
 
 ARMS = ("none", "ngram", "dspark", "default")
 LANES = {"serial": 1, "batch4": 4, "batch8": 8}
-SERVER_FLAGS = {"none": ["--no-draft"], "ngram": ["--speculate", "ngram"], "default": []}
+# a server that cannot start (e.g. dspark for a model that ships no drafter and no
+# --draft-model) has its cells reported as skipped with the server's own error
+SERVER_FLAGS = {"none": ["--no-draft"], "ngram": ["--speculate", "ngram"], "dspark": ["--speculate", "dspark"],
+                "default": []}
 
 
 @dataclass(frozen=True)
@@ -238,23 +241,13 @@ class Options:
     dtype: str = "auto"
 
 
-def dspark_drafter_for(model: str, draft_model: str | None) -> tuple[str | None, str]:
-    """(the --draft-model for the dspark arm, or None; why not)."""
-    if draft_model:
-        return draft_model, ""
-    from verispec.drafting.factory import BUNDLED_DRAFTERS
-
-    folder = BUNDLED_DRAFTERS.get(model)
-    if folder is not None and (folder / "config.json").is_file():
-        return str(folder), ""
-    return None, f"no DSpark drafter ships for {model}: pass --draft-model"
-
-
 def default_arm(model: str) -> str | None:
-    """Which measured arm `verispec serve -m MODEL` with no flags runs, when it is one."""
-    from verispec.drafting.factory import default_speculation
+    """Which measured arm `verispec serve -m MODEL` with no flags runs, when it is one: an
+    embedded model's catalog entry says (its speculation was chosen by measurement)."""
+    from verispec.models.catalog import REGISTRY
 
-    return default_speculation(model)
+    entry = REGISTRY.get(model)
+    return entry.speculation if entry is not None else None
 
 
 def run_matrix(opts: Options) -> dict:
@@ -281,97 +274,135 @@ def run_matrix(opts: Options) -> dict:
 
 
 def _run_model(model: str, opts: Options, cells: dict, logs: Path) -> dict:
-    from verispec.bench.peers import (LLAMACPP_ARMS, llamacpp_body, llamacpp_command, llamacpp_missing,
-                                      run_transformers, transformers_missing)
-    from verispec.bench.workloads import build_workloads
-    from verispec.models.registry import display_name
-    from verispec.models.tokenizer import has_chat_template, load_tokenizer
-    from verispec.server.launch import free_port, server_process, verispec_serve_command
-
-    folder, gguf = _model_files(model)
-    tokenizer = load_tokenizer(folder)
-    chat = has_chat_template(tokenizer)
-    workloads = {k: v for k, v in build_workloads(opts.eval_dir, opts.prompts, opts.max_tokens).items()
-                 if k in opts.workloads}
-    plan = Plan(display_name(model), opts.arms, opts.lanes, workloads, opts.grammar, opts.repeats, chat)
-
-    def count_tokens(text: str) -> int:
-        return len(tokenizer.encode(text, add_special_tokens=False))
-
-    info = {"chat": chat, "folder": folder.name, "arms": {}}
-    warn(f"{model}: {'chat' if chat else 'completion'} workloads {', '.join(workloads)}; lanes {', '.join(opts.lanes)}")
-
-    # which servers run: arm -> (flags) or a reason it cannot run
-    servers: dict[str, list[str] | str] = {}
-    if opts.url:
-        servers["served"] = []
-    for arm in ([] if opts.url else opts.arms):
-        if arm == "dspark":
-            drafter, why = dspark_drafter_for(model, opts.draft_model)
-            servers[arm] = ["--draft-model", drafter] if drafter else why
-        else:
-            servers[arm] = SERVER_FLAGS[arm]
-    alias = default_arm(model) if "default" in servers and not opts.draft_model else None
-    if alias in servers and isinstance(servers[alias], list):
-        servers["default"] = "=" + alias
-    for arm in opts.peers:
-        if arm in LLAMACPP_ARMS:
-            servers[arm] = llamacpp_missing() or ("no GGUF for this model" if gguf is None else ["llama.cpp"])
-        elif arm == "transformers":
-            servers[arm] = transformers_missing() or ["in-process"]
-
-    for arm, flags in servers.items():
-        for key, _ in plan.cells(arm):
-            cell = cells.setdefault(key, Cell(key))
-            if isinstance(flags, str) and not flags.startswith("="):
-                cell.skipped = flags
-            elif skipped_by_flag(key, opts.skip):
-                cell.skipped = "skipped by --skip"
-            elif arm == "transformers" and (key.lane != "serial" or key.grammar):
-                cell.skipped = "transformers generate: serial lane, no grammar (no serving, no structured output)"
-        info["arms"][arm] = flags if isinstance(flags, str) else " ".join(flags) or "(no flags)"
-
+    run = ModelRun(model, opts, cells, logs)
     for rep in range(opts.repeats):
-        for arm, flags in servers.items():
-            if isinstance(flags, str) or all(c.skipped for k, c in cells.items() if k.model == plan.model and k.arm == arm):
-                continue
-            warn(f"{model} / {arm}: repeat {rep + 1} of {opts.repeats}")
-            if arm == "served":
-                run_cells(opts.url, _served_name(opts.url), plan, arm, cells, None, rep, count_tokens)
+        for arm in list(run.servers):
+            run.run_arm(arm, rep)
+    run.copy_aliases()
+    return run.info
+
+
+class ModelRun:
+    """One model's part of the matrix: which servers run (arm -> flags, "=arm" for an
+    alias, or the reason it cannot run), and each arm's repeats."""
+
+    def __init__(self, model: str, opts: Options, cells: dict, logs: Path):
+        from verispec.bench.workloads import build_workloads
+        from verispec.models.registry import display_name
+        from verispec.models.tokenizer import has_chat_template, load_tokenizer
+
+        self.model, self.opts, self.cells, self.logs = model, opts, cells, logs
+        self.folder, self.gguf = _model_files(model)
+        self.tokenizer = load_tokenizer(self.folder)
+        chat = has_chat_template(self.tokenizer)
+        workloads = {k: v for k, v in build_workloads(opts.eval_dir, opts.prompts, opts.max_tokens).items()
+                     if k in opts.workloads}
+        self.plan = Plan(display_name(model), opts.arms, opts.lanes, workloads, opts.grammar, opts.repeats, chat)
+        self.info = {"chat": chat, "folder": self.folder.name, "arms": {}}
+        warn(f"{model}: {'chat' if chat else 'completion'} workloads {', '.join(workloads)}; "
+             f"lanes {', '.join(opts.lanes)}")
+        self.servers = self._servers()
+        self._mark_skips()
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _servers(self) -> dict[str, list[str] | str]:
+        from verispec.bench.peers import LLAMACPP_ARMS, llamacpp_missing, transformers_missing
+
+        opts = self.opts
+        if opts.url:
+            return {"served": []}
+        servers: dict[str, list[str] | str] = {}
+        for arm in opts.arms:
+            servers[arm] = ["--draft-model", opts.draft_model] if arm == "dspark" and opts.draft_model \
+                else SERVER_FLAGS[arm]
+        alias = default_arm(self.model) if "default" in servers else None
+        if alias == "dspark" and opts.draft_model:  # the dspark arm runs the user's drafter, not the shipped one
+            alias = None
+        if alias in servers:
+            servers["default"] = "=" + alias
+        for arm in opts.peers:
+            if arm in LLAMACPP_ARMS:
+                servers[arm] = llamacpp_missing() or ("no GGUF for this model" if self.gguf is None else ["llama.cpp"])
             elif arm == "transformers":
-                for key, workload in plan.cells(arm):
-                    cell = cells[key]
-                    if not cell.skipped:
-                        cell.runs.append(run_transformers(folder, requests_for(workload, key.lane, chat, model),
-                                                          opts.threads))
-                        cell.peak_rss.append(0)
-            else:
-                port = free_port()
-                if arm in LLAMACPP_ARMS:
-                    cmd, health, name, hook = (llamacpp_command(arm, gguf, port, opts.threads),
-                                               f"http://127.0.0.1:{port}/v1/models", str(gguf), llamacpp_body)
-                else:
-                    cmd = verispec_serve_command(port, "-m", model, "--threads", str(opts.threads), "--dtype",
-                                                 opts.dtype, "--max-batch", str(max(LANES[l] for l in opts.lanes)),
-                                                 *flags, *opts.serve_args)
-                    health, name, hook = f"http://127.0.0.1:{port}/health", model, None
-                with server_process(cmd, health, timeout=900, log=logs / f"{slug(model)}-{arm}.log") as proc:
-                    url = f"http://127.0.0.1:{port}"
-                    if rep == 0 and arm not in LLAMACPP_ARMS:
-                        info["arms"][arm] = _describe_server(url) or info["arms"][arm]
-                    warm_up(url, name, plan, count_tokens, hook)
-                    run_cells(url, name, plan, arm, cells, proc.pid, rep, count_tokens, hook)
-    for arm, flags in servers.items():  # the default arm measured as another arm
-        if isinstance(flags, str) and flags.startswith("="):
-            for key, _ in plan.cells(arm):
-                source = cells.get(CellKey(key.model, flags[1:], key.lane, key.workload, key.grammar))
-                cell = cells[key]
+                servers[arm] = transformers_missing() or ["in-process"]
+        return servers
+
+    def _mark_skips(self) -> None:
+        for arm, flags in self.servers.items():
+            for key, _ in self.plan.cells(arm):
+                cell = self.cells.setdefault(key, Cell(key))
+                if isinstance(flags, str) and not flags.startswith("="):
+                    cell.skipped = flags
+                elif skipped_by_flag(key, self.opts.skip):
+                    cell.skipped = "skipped by --skip"
+                elif arm == "transformers" and (key.lane != "serial" or key.grammar):
+                    cell.skipped = "transformers generate: serial lane, no grammar (no serving, no structured output)"
+            self.info["arms"][arm] = flags if isinstance(flags, str) else " ".join(flags) or "(no flags)"
+
+    def _skip_arm(self, arm: str, reason: str) -> None:
+        warn(f"{self.model} / {arm}: {reason}")
+        self.servers[arm] = self.info["arms"][arm] = reason
+        for key, _ in self.plan.cells(arm):
+            self.cells[key].skipped = self.cells[key].skipped or reason
+
+    def run_arm(self, arm: str, rep: int) -> None:
+        from verispec.bench.peers import LLAMACPP_ARMS, llamacpp_body, llamacpp_command, run_transformers
+        from verispec.server.launch import free_port, server_process, verispec_serve_command
+
+        flags, plan, opts = self.servers[arm], self.plan, self.opts
+        if isinstance(flags, str) or all(c.skipped for k, c in self.cells.items()
+                                          if k.model == plan.model and k.arm == arm):
+            return
+        warn(f"{self.model} / {arm}: repeat {rep + 1} of {opts.repeats}")
+        if arm == "served":
+            run_cells(opts.url, _served_name(opts.url), plan, arm, self.cells, None, rep, self.count_tokens)
+            return
+        if arm == "transformers":
+            for key, workload in plan.cells(arm):
+                if not self.cells[key].skipped:
+                    bodies = requests_for(workload, key.lane, plan.chat, self.model)
+                    self.cells[key].runs.append(run_transformers(self.folder, bodies, opts.threads))
+                    self.cells[key].peak_rss.append(0)
+            return
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        if arm in LLAMACPP_ARMS:
+            cmd, health, name, hook = (llamacpp_command(arm, self.gguf, port, opts.threads), url + "/v1/models",
+                                       str(self.gguf), llamacpp_body)
+        else:
+            cmd = verispec_serve_command(port, "-m", self.model, "--threads", str(opts.threads), "--dtype", opts.dtype,
+                                         "--max-batch", str(max(LANES[lane] for lane in opts.lanes)), *flags,
+                                         *opts.serve_args)
+            health, name, hook = url + "/health", self.model, None
+        server = server_process(cmd, health, timeout=900, log=self.logs / f"{slug(self.model)}-{arm}.log")
+        try:
+            proc = server.__enter__()
+        except (RuntimeError, TimeoutError) as e:
+            return self._skip_arm(arm, f"the server did not start: {_last_line(str(e))}")
+        try:
+            if rep == 0 and arm not in LLAMACPP_ARMS:
+                self.info["arms"][arm] = _describe_server(url) or self.info["arms"][arm]
+            warm_up(url, name, plan, self.count_tokens, hook)
+            run_cells(url, name, plan, arm, self.cells, proc.pid, rep, self.count_tokens, hook)
+        finally:
+            server.__exit__(None, None, None)
+
+    def copy_aliases(self) -> None:
+        """The default arm, when it is another arm, reports that arm's measurements."""
+        for arm, flags in self.servers.items():
+            if not (isinstance(flags, str) and flags.startswith("=")):
+                continue
+            source_arm = flags[1:]
+            for key, _ in self.plan.cells(arm):
+                source = self.cells.get(CellKey(key.model, source_arm, key.lane, key.workload, key.grammar))
+                cell = self.cells[key]
                 if source and not cell.skipped:
                     cell.runs, cell.peak_rss, cell.invalid, cell.checked = (source.runs, source.peak_rss,
                                                                              source.invalid, source.checked)
-                    cell.skipped, cell.same_as = source.skipped, flags[1:]
-            info["arms"][arm] = f"the {flags[1:]} arm (verispec's default for {model})"
-    return info
+                    cell.skipped, cell.same_as = source.skipped, source_arm
+            self.info["arms"][arm] = f"the {source_arm} arm (verispec's default for {self.model})"
 
 
 def _ratios(rows: list[dict]) -> None:
@@ -397,6 +428,11 @@ def _model_files(model: str):
     elif model.endswith(".gguf"):
         gguf = Path(model)
     return folder, gguf
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else text[:300]
 
 
 def _served_name(url: str) -> str:

@@ -23,7 +23,7 @@ def _label(col) -> str:
 
 def heatmap(result: dict, out: Path) -> list[Path]:
     from verispec.bench.matrix import slug
-    from verispec.training.plots import pyplot
+    from verispec.plots import pyplot
 
     plt = pyplot()
     written = []
@@ -56,7 +56,7 @@ def heatmap(result: dict, out: Path) -> list[Path]:
 
 def bars(result: dict, out: Path) -> list[Path]:
     from verispec.bench.matrix import slug
-    from verispec.training.plots import pyplot
+    from verispec.plots import pyplot
 
     plt = pyplot()
     written = []

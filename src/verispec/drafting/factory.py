@@ -11,11 +11,6 @@ from verispec.engine.draft import MAX_DRAFT_TOKENS, DraftProvider
 SPECULATE_CHOICES = ("ngram", "dspark", "composite", "none")
 # embedded model -> its trained DSpark drafter, shipped in the package (README, "The default drafter")
 BUNDLED_DRAFTERS = {"smollm2-135m-instruct": Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-instruct"}
-# embedded model -> what `serve` / `generate` speculate with when no flag says otherwise:
-# "dspark" (its shipped drafter) or "ngram", whichever measured faster (bench/scheduler.py on
-# an AMD Zen 5 and an Intel AMX host: n-gram 1.02x no speculation, the shipped drafter
-# 0.92-0.97x; README "Speculation by default"); a model not listed speculates only when asked
-DEFAULT_SPECULATION = {"smollm2-135m-instruct": "ngram"}
 
 
 def embedded_name(target) -> str | None:
@@ -29,11 +24,12 @@ def embedded_name(target) -> str | None:
 
 
 def default_speculation(model: str | None) -> str | None:
-    """The default arm of an embedded model (by registry name): "dspark", "ngram" or None."""
-    choice = DEFAULT_SPECULATION.get(model or "")
-    if choice == "dspark" and not (BUNDLED_DRAFTERS[model] / "config.json").is_file():
-        return None
-    return choice
+    """What an embedded model (by registry name) speculates with by default: its catalog
+    entry's measured choice, "ngram" or "dspark"; None for any other model."""
+    from verispec.models.catalog import REGISTRY
+
+    entry = REGISTRY.get(model or "")
+    return entry.speculation if entry is not None else None
 
 
 def bundled_drafter(target) -> Path | None:
@@ -45,7 +41,7 @@ def bundled_drafter(target) -> Path | None:
 def build_drafter(target, speculate: str | None, draft_model: str | None, dtype,
                   confidence_threshold: float | None = None, no_draft: bool = False) -> DraftProvider | None:
     """`target` is the LoadedModel being served. None: no speculation. With no choice made,
-    an embedded model speculates as DEFAULT_SPECULATION says (`no_draft` turns that off)."""
+    an embedded model speculates as its catalog entry says (`no_draft` turns that off)."""
     if no_draft and (draft_model or speculate not in (None, "none")):
         raise UserError("--no-draft turns speculation off; it cannot go with --speculate or --draft-model")
     if speculate == "composite":

@@ -176,7 +176,7 @@ def _reliability(ax, report: list[dict], predicted: str, observed: str, label) -
 
 def _plot_sts(before: list[dict], after: list[dict], png: Path) -> None:
     """Reliability of the cumulative products per position, raw and after STS."""
-    from verispec.training.plots import pyplot
+    from verispec.plots import pyplot
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 5.5), sharey=True)
@@ -191,7 +191,7 @@ def _plot_sts(before: list[dict], after: list[dict], png: Path) -> None:
 
 
 def _plot(report: list[dict], png: Path) -> None:
-    from verispec.training.plots import pyplot
+    from verispec.plots import pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 6))

@@ -152,7 +152,7 @@ def _markdown(rows, summary, args, g) -> str:
 
 
 def _plot(rows, temperatures, out: Path) -> None:
-    from verispec.training.plots import pyplot
+    from verispec.plots import pyplot
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))

@@ -444,7 +444,7 @@ def _load_optimizer(optimizer, params, drafter, folder: Path) -> int:
 
 
 def _plot(metrics_path: Path, png: Path) -> None:
-    from verispec.training.plots import pyplot
+    from verispec.plots import pyplot
 
     plt = pyplot()
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]

@@ -1,4 +1,4 @@
-"""PNG plots for the training tools (curves, reliability diagrams, measure charts).
+"""PNG plots (training curves, reliability diagrams, measure charts, the bench matrix).
 
 matplotlib is a dependency; this is the one place that picks its headless backend.
 """
