@@ -66,7 +66,7 @@ def test_every_cell_of_the_matrix_runs_and_every_grammar_output_validates(tiny_c
     out = tmp_path / "matrix"
     code = main(["bench", "matrix", "-m", str(target), "--draft-model", str(drafter), "--peers", "transformers",
                  "--repeats", "1", "--prompts", "1", "--max-tokens", "chat=8", "--max-tokens", "long=12",
-                 "--dtype", "float32", "--eval-dir", str(eval_dir), "--out", str(out)])
+                 "--dtype", "float32", "--eval-dir", str(eval_dir), "--out", str(out), "--settle", "0"])
     printed = capsys.readouterr()
     assert code == 0, printed.err[-3000:]
     rows = [json.loads(line) for line in (out / "cells.jsonl").read_text().splitlines()]
@@ -129,7 +129,7 @@ def test_an_output_that_breaks_its_schema_fails_the_run_and_is_shown(tiny_chat_m
     try:
         code = main(["bench", "matrix", "--url", f"http://127.0.0.1:{server.server_port}", "-m", str(tiny_chat_model[0]),
                      "--lanes", "serial", "--workloads", "json", "--repeats", "1", "--prompts", "1", "--no-plots",
-                     "--eval-dir", str(eval_dir), "--out", str(tmp_path / "out")])
+                     "--eval-dir", str(eval_dir), "--out", str(tmp_path / "out"), "--settle", "0"])
     finally:
         server.shutdown()
     err = capsys.readouterr().err

@@ -252,7 +252,7 @@ def run_profile(args) -> int:
     dtypes = [torch.bfloat16, torch.float32] if args.dtype == "auto" else [resolve_dtype(args.dtype)]
     plans = {d: kernel_plan.plan_for(model, d, args.quant, args.kernels, refresh=args.refresh, progress=True)
              for d in dtypes}
-    chosen = min(plans, key=lambda d: plans[d].step_us)
+    chosen = kernel_plan.preferred_dtype(plans)
     print(f"{args.model or DEFAULT_MODEL} on {kernel_plan.cpu_name()} ({torch.get_num_threads()} threads, "
           f"torch {torch.__version__})")
     for dtype, plan in plans.items():

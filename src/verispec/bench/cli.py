@@ -33,7 +33,7 @@ output: matrix.md (the table), cells.jsonl (one JSON line per cell, also printed
 heatmap-MODEL.png and bars-MODEL.png in --out, and the servers' logs in --out/logs.
 """
 
-QUICK = {"repeats": 1, "prompts": 2, "max_tokens": {"chat": 64, "long": 192, "json": 256}}
+QUICK = {"repeats": 1, "prompts": 1, "max_tokens": {"chat": 64, "long": 128, "json": 256}}
 
 
 def add_bench_parser(sub, formatter) -> None:
@@ -64,7 +64,8 @@ def add_bench_parser(sub, formatter) -> None:
     m.add_argument("--max-tokens", action="append", default=[], metavar="WORKLOAD=N",
                    help="max_tokens of a workload (defaults: chat=128, long=512, json=256)")
     m.add_argument("--quick", action="store_true",
-                   help="1 repeat, 2 prompts, chat 64 / long 192 tokens: the whole matrix in about 10 minutes")
+                   help="1 repeat, 1 prompt per workload (lanes still send one request per client), chat 64 / long "
+                        "128 tokens, llama.cpp on the serial lane only: both models in about 10 minutes")
     m.add_argument("--draft-model", default=None, help="the dspark arm's drafter (default: the one shipped for the model)")
     m.add_argument("--url", default=None, help="measure a running verispec server instead of starting one per arm")
     m.add_argument("--threads", type=int, default=2, help="threads for every engine and peer (default 2)")
@@ -75,6 +76,9 @@ def add_bench_parser(sub, formatter) -> None:
                         "../shared/eval-prompts above this checkout)")
     m.add_argument("--out", default=None, help="output folder (default: a new folder under the temp dir)")
     m.add_argument("--no-plots", action="store_true", help="no PNGs")
+    m.add_argument("--settle", type=float, default=120.0, metavar="SECONDS",
+                   help="with nothing else on the CPU, wait up to this long for a high load average (work that just "
+                        "ended) to fall before the preflight judges the machine (default 120)")
 
 
 def run_bench(args) -> int:
@@ -136,6 +140,9 @@ def matrix_options(args):
     models = args.model or ["smollm2-135m-instruct", "gemma3-270m"]
     if args.url and len(models) != 1:
         raise UserError("--url measures one running server: name its model once with -m")
+    skip = set(args.skip)
+    if args.quick:  # a one-request-at-a-time peer's batch lanes only measure its queue, slowly
+        skip |= {f"{peer}:{lane}:*" for peer in LLAMACPP_ARMS for lane in ("batch4", "batch8")}
     return Options(
         models=models,
         arms=names(args.arms, ARMS, "arm"),
@@ -145,4 +152,5 @@ def matrix_options(args):
         grammar=[grammar[s] for s in settings],
         repeats=repeats, prompts=prompts, max_tokens=max_tokens, threads=args.threads, draft_model=args.draft_model,
         eval_dir=eval_dir, out=Path(args.out) if args.out else default_out(), url=args.url.rstrip("/") if args.url else None,
-        skip=set(args.skip), serve_args=args.serve_args.split(), plots=not args.no_plots, dtype=args.dtype)
+        skip=skip, serve_args=args.serve_args.split(), plots=not args.no_plots, dtype=args.dtype,
+        settle_s=max(0.0, args.settle))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -41,7 +42,11 @@ from pathlib import Path
 from verispec.bench.loadgen import LaneResult, RssSampler, quantile, run_lane_sync, warn
 
 ARMS = ("none", "ngram", "dspark", "default")
+# why a cell that ran has no measurement (the table shows these; cells never run are listed per arm)
+FAILED_PREFIXES = ("the server died on these requests", "every request failed",
+                   "the server kept dying before these cells ran")
 LANES = {"serial": 1, "batch4": 4, "batch8": 8}
+PEER_ARMS = ("llama.cpp", "llama.cpp-lookup", "transformers")
 # a server that cannot start (e.g. dspark for a model that ships no drafter and no
 # --draft-model) has its cells reported as skipped with the server's own error
 SERVER_FLAGS = {"none": ["--no-draft"], "ngram": ["--speculate", "ngram"], "dspark": ["--speculate", "dspark"],
@@ -70,6 +75,7 @@ class Cell:
     checked: int = 0
     skipped: str | None = None
     same_as: str | None = None  # the arm whose server this arm is
+    crashes: int = 0  # times the server died while running this cell
 
     def metrics(self) -> dict:
         k = self.key
@@ -79,7 +85,8 @@ class Cell:
             return {**row, "skipped": self.skipped}
         runs = [r for r in self.runs if r.requests]
         if not runs:
-            return {**row, "skipped": "every request failed: " + "; ".join(e for r in self.runs for e in r.errors)[:300]}
+            why = FAILED_PREFIXES[0] if self.crashes else FAILED_PREFIXES[1]
+            return {**row, "skipped": f"{why}: " + "; ".join(e for r in self.runs for e in r.errors)[:300]}
 
         def med(values):
             values = [v for v in values if v is not None]
@@ -96,8 +103,11 @@ class Cell:
             "stream_tok_s": _round(med([med([q.stream_tok_s for q in r.requests]) for r in runs])),
             "ttft_p50_ms": _ms(med([quantile([q.ttft for q in r.requests], 0.5) for r in runs])),
             "ttft_p95_ms": _ms(med([quantile([q.ttft for q in r.requests], 0.95) for r in runs])),
-            "tau": round(sum(s["mean_accepted_length"] * s["rounds"] for s in spec) / rounds, 3) if rounds else 1.0,
-            "verify_per_step": round(sum(s["drafted"] for s in spec) / rounds, 3) if rounds else 0.0,
+            # a peer reports no speculation counters: its tau is unknown, not 1
+            "tau": None if k.arm in PEER_ARMS else
+            round(sum(s["mean_accepted_length"] * s["rounds"] for s in spec) / rounds, 3) if rounds else 1.0,
+            "verify_per_step": None if k.arm in PEER_ARMS else
+            round(sum(s["drafted"] for s in spec) / rounds, 3) if rounds else 0.0,
             "peak_rss_mb": round(max(self.peak_rss) / 2**20) if self.peak_rss and max(self.peak_rss) else None,
             "errors": sum(len(r.errors) for r in self.runs),
         }
@@ -107,6 +117,8 @@ class Cell:
                 out["invalid"] = self.invalid[:3]
         if self.same_as:
             out["same_as"] = self.same_as
+        if self.crashes:
+            out["server_crashes"] = self.crashes
         return out
 
 
@@ -173,35 +185,31 @@ def _schema_of(body: dict) -> dict | None:
     return fmt["json_schema"]["schema"] if fmt else None
 
 
-def run_cells(url: str, served_name: str, plan: Plan, arm: str, cells: dict, pid: int | None, rep: int,
-              count_tokens, body_hook=None) -> None:
-    """One repeat of every cell of `arm` against the server at `url`."""
-    for key, workload in plan.cells(arm):
-        cell = cells.setdefault(key, Cell(key))
-        if cell.skipped:
-            continue
-        bodies = requests_for(workload, key.lane, plan.chat, served_name)
-        if not key.grammar:
-            bodies = [{k: v for k, v in b.items() if k != "response_format"} for b in bodies]
-        sent = [body_hook(b) for b in bodies] if body_hook else bodies
-        endpoint = url + ("/v1/chat/completions" if plan.chat else "/v1/completions")
-        sampler = RssSampler(pid) if pid else None
+def run_cell(url: str, served_name: str, plan: Plan, key: CellKey, workload, cell: "Cell", pid: int | None, rep: int,
+             count_tokens, body_hook=None) -> None:
+    """One repeat of one cell against the server at `url`."""
+    bodies = requests_for(workload, key.lane, plan.chat, served_name)
+    if not key.grammar:
+        bodies = [{k: v for k, v in b.items() if k != "response_format"} for b in bodies]
+    sent = [body_hook(b) for b in bodies] if body_hook else bodies
+    endpoint = url + ("/v1/chat/completions" if plan.chat else "/v1/completions")
+    sampler = RssSampler(pid) if pid else None
+    if sampler:
+        sampler.__enter__()
+    try:
+        result = run_lane_sync(endpoint, sent, LANES[key.lane], count_tokens)
+    finally:
         if sampler:
-            sampler.__enter__()
-        try:
-            result = run_lane_sync(endpoint, sent, LANES[key.lane], count_tokens)
-        finally:
-            if sampler:
-                sampler.__exit__(None, None, None)
-        cell.runs.append(result)
-        cell.peak_rss.append(sampler.peak if sampler else 0)
-        if key.grammar:
-            check_conformance(cell, bodies, result)
-        for e in result.errors:
-            warn(f"  {key.arm} {key.lane} {key.label}: {e}")
-        m = cell.metrics()
-        warn(f"  [{rep + 1}/{plan.repeats}] {key.arm:<17}{key.lane:<8}{key.label:<13} "
-             f"{m.get('agg_tok_s', 0):>7.1f} tok/s  TTFT p50 {m.get('ttft_p50_ms')} ms  tau {m.get('tau')}")
+            sampler.__exit__(None, None, None)
+    cell.runs.append(result)
+    cell.peak_rss.append(sampler.peak if sampler else 0)
+    if key.grammar:
+        check_conformance(cell, bodies, result)
+    for e in result.errors[:3]:
+        warn(f"  {key.arm} {key.lane} {key.label}: {e}")
+    m = cell.metrics()
+    warn(f"  [{rep + 1}/{plan.repeats}] {key.arm:<17}{key.lane:<8}{key.label:<13} "
+         f"{m.get('agg_tok_s', 0):>7.1f} tok/s  TTFT p50 {m.get('ttft_p50_ms')} ms  tau {m.get('tau')}")
 
 
 def warm_up(url: str, served_name: str, plan: Plan, count_tokens, body_hook=None) -> None:
@@ -239,6 +247,7 @@ class Options:
     serve_args: list[str] = field(default_factory=list)
     plots: bool = True
     dtype: str = "auto"
+    settle_s: float = 120.0
 
 
 def default_arm(model: str) -> str | None:
@@ -255,7 +264,7 @@ def run_matrix(opts: Options) -> dict:
     from verispec.models.registry import display_name
 
     started = time.time()
-    machine = preflight(opts.threads)
+    machine = preflight(opts.threads, opts.settle_s)
     for line in machine["warnings"]:
         warn(f"preflight: {line}")
     opts.out.mkdir(parents=True, exist_ok=True)
@@ -330,16 +339,23 @@ class ModelRun:
         return servers
 
     def _mark_skips(self) -> None:
+        from verispec.bench.peers import describe
+
         for arm, flags in self.servers.items():
             for key, _ in self.plan.cells(arm):
                 cell = self.cells.setdefault(key, Cell(key))
                 if isinstance(flags, str) and not flags.startswith("="):
                     cell.skipped = flags
                 elif skipped_by_flag(key, self.opts.skip):
-                    cell.skipped = "skipped by --skip"
+                    cell.skipped = "skipped by --skip (--quick runs the peers' serial lane only)"
                 elif arm == "transformers" and (key.lane != "serial" or key.grammar):
                     cell.skipped = "transformers generate: serial lane, no grammar (no serving, no structured output)"
-            self.info["arms"][arm] = flags if isinstance(flags, str) else " ".join(flags) or "(no flags)"
+            if isinstance(flags, str):
+                self.info["arms"][arm] = flags
+            elif arm in PEER_ARMS:
+                self.info["arms"][arm] = describe(arm, self.gguf)
+            else:
+                self.info["arms"][arm] = " ".join(["verispec serve", *flags])
 
     def _skip_arm(self, arm: str, reason: str) -> None:
         warn(f"{self.model} / {arm}: {reason}")
@@ -348,16 +364,29 @@ class ModelRun:
             self.cells[key].skipped = self.cells[key].skipped or reason
 
     def run_arm(self, arm: str, rep: int) -> None:
-        from verispec.bench.peers import LLAMACPP_ARMS, llamacpp_body, llamacpp_command, run_transformers
-        from verispec.server.launch import free_port, server_process, verispec_serve_command
-
+        """One repeat of an arm's cells (its time is added to info["minutes"])."""
         flags, plan, opts = self.servers[arm], self.plan, self.opts
         if isinstance(flags, str) or all(c.skipped for k, c in self.cells.items()
                                           if k.model == plan.model and k.arm == arm):
             return
         warn(f"{self.model} / {arm}: repeat {rep + 1} of {opts.repeats}")
+        started = time.perf_counter()
+        try:
+            self._run_arm(arm, flags, rep)
+        finally:
+            minutes = self.info.setdefault("minutes", {})
+            minutes[arm] = round(minutes.get(arm, 0) + (time.perf_counter() - started) / 60, 1)
+
+    def _run_arm(self, arm: str, flags: list[str], rep: int) -> None:
+        from verispec.bench.peers import LLAMACPP_ARMS, llamacpp_body, llamacpp_command, run_transformers
+        from verispec.server.launch import free_port, server_process, verispec_serve_command
+
+        plan, opts = self.plan, self.opts
+        todo = [(key, workload) for key, workload in plan.cells(arm) if not self.cells[key].skipped]
         if arm == "served":
-            run_cells(opts.url, _served_name(opts.url), plan, arm, self.cells, None, rep, self.count_tokens)
+            name = _served_name(opts.url)
+            for key, workload in todo:
+                run_cell(opts.url, name, plan, key, workload, self.cells[key], None, rep, self.count_tokens)
             return
         if arm == "transformers":
             for key, workload in plan.cells(arm):
@@ -376,18 +405,34 @@ class ModelRun:
                                          "--max-batch", str(max(LANES[lane] for lane in opts.lanes)), *flags,
                                          *opts.serve_args)
             health, name, hook = url + "/health", self.model, None
-        server = server_process(cmd, health, timeout=900, log=self.logs / f"{slug(self.model)}-{arm}.log")
-        try:
-            proc = server.__enter__()
-        except (RuntimeError, TimeoutError) as e:
-            return self._skip_arm(arm, f"the server did not start: {_last_line(str(e))}")
-        try:
-            if rep == 0 and arm not in LLAMACPP_ARMS:
-                self.info["arms"][arm] = _describe_server(url) or self.info["arms"][arm]
-            warm_up(url, name, plan, self.count_tokens, hook)
-            run_cells(url, name, plan, arm, self.cells, proc.pid, rep, self.count_tokens, hook)
-        finally:
-            server.__exit__(None, None, None)
+        warm, idle_starts = True, 0
+        while todo:  # a server that dies is started again for the cells after the one that killed it
+            if idle_starts == 2:
+                for key, _ in todo:
+                    self.cells[key].skipped = FAILED_PREFIXES[2]
+                return
+            left = len(todo)
+            server = server_process(cmd, health, timeout=900, log=self.logs / f"{slug(self.model)}-{arm}-{rep}.log")
+            try:
+                proc = server.__enter__()
+            except (RuntimeError, TimeoutError) as e:
+                return self._skip_arm(arm, f"the server did not start: {_last_line(str(e))}")
+            try:
+                if rep == 0 and arm not in LLAMACPP_ARMS:
+                    self.info["arms"][arm] = _describe_server(url) or self.info["arms"][arm]
+                if warm:
+                    warm_up(url, name, plan, self.count_tokens, hook)
+                    warm = False
+                while todo and proc.poll() is None:
+                    key, workload = todo.pop(0)
+                    run_cell(url, name, plan, key, workload, self.cells[key], proc.pid, rep, self.count_tokens, hook)
+                    if proc.poll() is not None:
+                        self.cells[key].crashes += 1
+                        warn(f"  {arm}: the server died during {key.lane} {key.label} (exit {proc.returncode}); "
+                             f"starting it again")
+            finally:
+                server.__exit__(None, None, None)
+            idle_starts = idle_starts + 1 if len(todo) == left else 0
 
     def copy_aliases(self) -> None:
         """The default arm, when it is another arm, reports that arm's measurements."""
@@ -431,8 +476,13 @@ def _model_files(model: str):
 
 
 def _last_line(text: str) -> str:
+    """The last line of a failed start's message: the server's own error, without the
+    command line that server_process puts before it."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1][:300] if lines else text[:300]
+    last = lines[-1] if lines else text
+    if "exited with" in last and ": " in last:
+        last = last.split(": ", 1)[1]
+    return last[:300]
 
 
 def _served_name(url: str) -> str:
@@ -472,22 +522,30 @@ def markdown(result: dict) -> str:
              f"grammar-off cell.", ""]
     for model, info in result["models"].items():
         lines += [f"## {model} ({'chat' if info['chat'] else 'completion'} workloads)", ""]
-        lines += [f"- **{arm}**: {desc}" for arm, desc in info["arms"].items()]
+        rows = [r for r in result["rows"] if r["model"] == model]
+        for arm, desc in info["arms"].items():  # cells an arm cannot run are said once, here
+            minutes = info.get("minutes", {}).get(arm)
+            lines.append(f"- **{arm}**: {desc}" + (f" ({minutes} min)" if minutes else ""))
+            reasons = Counter(r["skipped"] for r in rows if r["arm"] == arm and _not_run(r))
+            lines += [f"  - {n} cells not run: {why}" for why, n in reasons.items() if why != desc]
         lines += ["", "| lane | workload | arm | agg tok/s | vs none | stream tok/s | TTFT p50 / p95 ms | tau | "
                       "verify/step | grammar | conform | peak RSS MB |",
                   "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        rows = [r for r in result["rows"] if r["model"] == model]
         order = {a: i for i, a in enumerate(dict.fromkeys(r["arm"] for r in rows))}
         rows.sort(key=lambda r: (list(LANES).index(r["lane"]), r["workload"], r["grammar"], order[r["arm"]]))
         for r in rows:
             label = r["workload"] + (" +grammar" if r["grammar"] else "")
-            if "skipped" in r:
-                lines.append(f"| {r['lane']} | {label} | {r['arm']} | skipped: {r['skipped']} |||||||||")
+            if "skipped" in r:  # cells that ran and failed stay in the table
+                if not _not_run(r):
+                    lines.append(f"| {r['lane']} | {label} | {r['arm']} | failed: {r['skipped'][:160]} |||||||||")
                 continue
+            notes = [f"= {r['same_as']}"] if r.get("same_as") else []
+            notes += [f"{r['errors']} failed requests"] if r.get("errors") else []
+            notes += [f"server died x{r['server_crashes']}"] if r.get("server_crashes") else []
             lines.append(
-                f"| {r['lane']} | {label} | {r['arm']}{' (= ' + r['same_as'] + ')' if r.get('same_as') else ''} | "
+                f"| {r['lane']} | {label} | {r['arm']}{' (' + '; '.join(notes) + ')' if notes else ''} | "
                 f"{r['agg_tok_s']:.1f} | {_x(r.get('vs_none'))} | {_f(r['stream_tok_s'])} | "
-                f"{r['ttft_p50_ms']} / {r['ttft_p95_ms']} | {r['tau']:.2f} | {r['verify_per_step']:.2f} | "
+                f"{r['ttft_p50_ms']} / {r['ttft_p95_ms']} | {_f(r['tau'], 2)} | {_f(r['verify_per_step'], 2)} | "
                 f"{_x(r.get('grammar_ratio'))} | {_pct(r.get('conformance'))} | {r['peak_rss_mb'] or '-'} |")
         lines.append("")
     return "\n".join(lines)
@@ -497,8 +555,13 @@ def _x(v) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
-def _f(v) -> str:
-    return "-" if v is None else f"{v:.1f}"
+def _f(v, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _not_run(row: dict) -> bool:
+    """A skipped cell that never ran (the arm cannot, or --skip), not one whose requests failed."""
+    return "skipped" in row and not row["skipped"].startswith(FAILED_PREFIXES)
 
 
 def _pct(v) -> str:

@@ -16,6 +16,7 @@ skipped with the install line (llama.cpp's portable build flags are in bench/dec
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -41,6 +42,18 @@ def llamacpp_command(arm: str, gguf, port: int, threads: int) -> list[str]:
     if arm == "llama.cpp-lookup":
         cmd += ["--draft_model", "prompt-lookup-decoding", "--draft_model_num_pred_tokens", "10"]
     return cmd
+
+
+def describe(arm: str, gguf) -> str:
+    """What a peer arm runs, for the report."""
+    if arm == "transformers":
+        import transformers
+
+        return f"transformers {transformers.__version__} `generate`, bfloat16, greedy, one request at a time"
+    import llama_cpp
+
+    lookup = " with prompt-lookup drafting (10 tokens)" if arm == "llama.cpp-lookup" else ""
+    return f"llama-cpp-python {llama_cpp.__version__} server on {gguf.name}{lookup}, one request at a time"
 
 
 def llamacpp_body(body: dict) -> dict:
@@ -85,15 +98,22 @@ class _TimingStreamer:
         pass
 
 
-def run_transformers(folder, bodies: list[dict], threads: int) -> LaneResult:
-    """One request after another through transformers' `generate`, greedy, bfloat16."""
+@functools.lru_cache(maxsize=1)
+def _transformers_model(folder: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    return AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+
+
+def run_transformers(folder, bodies: list[dict], threads: int) -> LaneResult:
+    """One request after another through transformers' `generate`, greedy, bfloat16 (the
+    model is loaded once per folder and kept for the next cell)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    tokenizer, model = _transformers_model(str(folder))
     stop_ids = [t for t in [tokenizer.eos_token_id, *([model.generation_config.eos_token_id]
                                                         if isinstance(model.generation_config.eos_token_id, int)
                                                         else model.generation_config.eos_token_id or [])]

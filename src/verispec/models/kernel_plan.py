@@ -28,7 +28,10 @@ What is chosen:
   chosen, and greedy speculative output diverged from plain decoding there.)
   `mode="invariant"` / `"fastest"` force either; `"onednn"` is the PyTorch-only plan
   (oneDNN-packed weights, SDPA attention), what a machine without a C++ compiler gets.
-* **dtype** (`choose_dtype`): bfloat16 or float32, whichever plan measures faster.
+* **dtype** (`preferred_dtype`, what `--dtype auto` serves): bfloat16 or float32, a
+  batch-invariant plan first, then whichever measures faster (on the Intel AMX host
+  Gemma-3's float32 plan measured faster but has no invariant kernel for its float32
+  matrices, and served speculation there could change tokens).
 
 Checked by tests/test_kernel_plan.py (a plan is cached and reused, invalidated by its key;
 forced modes; lossless quantization found exactly where it exists) and, end to end, by
@@ -340,3 +343,9 @@ def format_plan(plan: KernelPlan) -> str:
     lines.append(f"formats: {', '.join(f'{r}={f}' for r, f in plan.formats.items())}")
     lines.append(f"-> {plan.note}; {'batch-invariant' if plan.invariant else 'not batch-invariant'}")
     return "\n".join(lines)
+
+
+def preferred_dtype(plans: dict) -> "torch.dtype":
+    """Of {dtype: KernelPlan}, the one `--dtype auto` serves: a batch-invariant plan first
+    (speculation and batching then change no token), then the faster."""
+    return min(plans, key=lambda d: (not plans[d].invariant, plans[d].step_us))

@@ -209,13 +209,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_for_serving(name: str, dtype: str = "auto", kernels: str = "auto", quant: str = "auto",
                      progress: bool = True) -> LoadedModel:
     """What `verispec serve` / `generate` load: the kernel plan measured for this machine
-    (models/kernel_plan.py). `dtype="auto"` on a CPU is the dtype whose plan measures
-    faster (both plans are cached); elsewhere resolve_dtype's rule."""
+    (models/kernel_plan.py). `dtype="auto"` on a CPU is the dtype whose plan is
+    batch-invariant, and of those (or of none) the one that measures faster (both plans are
+    cached); elsewhere resolve_dtype's rule."""
     if dtype == "auto" and torch.cuda.is_available():
         return load_model(name, dtype=resolve_dtype("auto", "cuda"), device="cuda", progress=progress)
     if dtype != "auto":
         return load_model(name, dtype=resolve_dtype(dtype), progress=progress, kernels=kernels, quant=quant)
-    from verispec.models.kernel_plan import plan_for
+    from verispec.models.kernel_plan import plan_for, preferred_dtype
     from verispec.models.registry import resolve_model
 
     folder = resolve_model(name, progress=progress)
@@ -225,7 +226,7 @@ def load_for_serving(name: str, dtype: str = "auto", kernels: str = "auto", quan
     plans = {}
     for candidate in (torch.bfloat16, torch.float32):
         plans[candidate] = plan_for(model, candidate, quant, kernels, progress=progress)
-    chosen = min(plans, key=lambda d: plans[d].step_us)
+    chosen = preferred_dtype(plans)
     apply_plan(model, plans[chosen], chosen)
     from verispec.models.tokenizer import load_tokenizer, stop_token_ids
 
