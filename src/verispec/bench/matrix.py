@@ -250,13 +250,14 @@ class Options:
     settle_s: float = 120.0
 
 
-def default_arm(model: str) -> str | None:
-    """Which measured arm `verispec serve -m MODEL` with no flags runs, when it is one: an
-    embedded model's catalog entry says (its speculation was chosen by measurement)."""
+def default_arm(model: str) -> str:
+    """Which arm `verispec serve -m MODEL` with no flags runs: an embedded model's catalog
+    entry says (its speculation was chosen by measurement); any other model, none
+    (drafting/factory.py build_drafter)."""
     from verispec.models.catalog import REGISTRY
 
     entry = REGISTRY.get(model)
-    return entry.speculation if entry is not None else None
+    return (entry.speculation if entry is not None else None) or "none"
 
 
 def run_matrix(opts: Options) -> dict:
@@ -528,6 +529,7 @@ def markdown(result: dict) -> str:
             lines.append(f"- **{arm}**: {desc}" + (f" ({minutes} min)" if minutes else ""))
             reasons = Counter(r["skipped"] for r in rows if r["arm"] == arm and _not_run(r))
             lines += [f"  - {n} cells not run: {why}" for why, n in reasons.items() if why != desc]
+        lines += ["", *pivot(rows), "", "Every cell:"]
         lines += ["", "| lane | workload | arm | agg tok/s | vs none | stream tok/s | TTFT p50 / p95 ms | tau | "
                       "verify/step | grammar | conform | peak RSS MB |",
                   "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -549,6 +551,28 @@ def markdown(result: dict) -> str:
                 f"{_x(r.get('grammar_ratio'))} | {_pct(r.get('conformance'))} | {r['peak_rss_mb'] or '-'} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def pivot(rows: list[dict]) -> list[str]:
+    """One model's aggregate tok/s as lane x workload rows and one column per arm, each with
+    its ratio to the none cell: the table a reader wants first."""
+    measured = [r for r in rows if "agg_tok_s" in r]
+    arms = list(dict.fromkeys(r["arm"] for r in rows))
+    by = {(r["lane"], r["workload"], r["grammar"], r["arm"]): r for r in measured}
+    keys = sorted({(r["lane"], r["workload"], r["grammar"]) for r in rows},
+                  key=lambda k: (list(LANES).index(k[0]), k[1], k[2]))
+    out = ["| lane | workload | " + " | ".join(arms) + " |", "|---|---|" + "---:|" * len(arms)]
+    for lane, workload, grammar in keys:
+        cells = []
+        for arm in arms:
+            r = by.get((lane, workload, grammar, arm))
+            cells.append("-" if r is None else
+                         f"{r['agg_tok_s']:.1f} ({_x(r.get('vs_none'))}){' !' if r.get('errors') else ''}")
+        out.append(f"| {lane} | {workload}{' +grammar' if grammar else ''} | " + " | ".join(cells) + " |")
+    if any(r.get("errors") for r in measured):
+        out.append("\n! some requests of the cell failed (see every cell below); `-`: the cell did not run or none of "
+                   "its requests succeeded")
+    return out
 
 
 def _x(v) -> str:
