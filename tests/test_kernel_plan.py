@@ -160,3 +160,33 @@ def test_profile_prints_the_plan(folders, capsys):
     sps = out[out.index("SPS table"):].splitlines()
     assert [int(line.split()[0]) for line in sps[2 : 2 + len(SIZES)]] == list(SIZES)
     assert "as 8 rows of 1" in out
+
+
+def test_auto_takes_the_invariant_plan_whatever_it_costs(folders, monkeypatch):
+    """Lossless first: an Intel AMX host measured the invariant attention +6.2% over SDPA
+    at 9 rows, the old 5% budget took SDPA, and greedy speculation changed tokens there.
+    Here the invariant attention is made 10x slower than SDPA: auto still takes it."""
+    real = kernel_plan.time_attention
+
+    def slow_invariant(model, kernel, *args, **kwargs):
+        t = real(model, kernel, *args, **kwargs)
+        return {k: v * 10 for k, v in t.items()} if kernel == "invariant" else t
+
+    monkeypatch.setattr(kernel_plan, "time_attention", slow_invariant)
+    model = load_folder(folders["llama"][0], dtype=torch.float32, kernels="auto", quant="q8_0")
+    plan = model.kernel_plan
+    assert plan.invariant and plan.attention == "invariant", plan.note
+    assert "against the fastest" in plan.note
+    fastest = load_folder(folders["llama"][0], dtype=torch.float32, kernels="fastest", quant="q8_0").kernel_plan
+    assert fastest.attention == "sdpa" and not fastest.invariant
+
+
+def test_dtype_auto_prefers_an_invariant_plan_then_the_faster():
+    from types import SimpleNamespace as Plan
+
+    fast_variant, slow_invariant = Plan(invariant=False, step_us=10.0), Plan(invariant=True, step_us=30.0)
+    assert kernel_plan.preferred_dtype({torch.float32: fast_variant, torch.bfloat16: slow_invariant}) == torch.bfloat16
+    both = {torch.float32: Plan(invariant=True, step_us=20.0), torch.bfloat16: Plan(invariant=True, step_us=25.0)}
+    assert kernel_plan.preferred_dtype(both) == torch.float32
+    neither = {torch.float32: Plan(invariant=False, step_us=20.0), torch.bfloat16: Plan(invariant=False, step_us=15.0)}
+    assert kernel_plan.preferred_dtype(neither) == torch.bfloat16

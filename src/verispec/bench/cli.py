@@ -108,7 +108,7 @@ def run_bench(args) -> int:
 
 def matrix_options(args):
     from verispec.bench.matrix import ARMS, LANES, Options, default_out
-    from verispec.bench.peers import LLAMACPP_ARMS
+    from verispec.bench.peers import LLAMACPP_ARMS, PEER_ARMS
     from verispec.bench.workloads import WORKLOADS
     from verispec.data.eval_prompts import default_eval_dir
     from verispec.errors import UserError
@@ -146,7 +146,7 @@ def matrix_options(args):
     return Options(
         models=models,
         arms=names(args.arms, ARMS, "arm"),
-        peers=[] if args.url else names(args.peers, (*LLAMACPP_ARMS, "transformers"), "peer"),
+        peers=[] if args.url else names(args.peers, PEER_ARMS, "peer"),
         lanes=names(args.lanes, tuple(LANES), "lane"),
         workloads=names(args.workloads, WORKLOADS, "workload"),
         grammar=[grammar[s] for s in settings],

@@ -40,13 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from verispec.bench.loadgen import LaneResult, RssSampler, quantile, run_lane_sync, warn
+from verispec.bench.peers import PEER_ARMS
 
 ARMS = ("none", "ngram", "dspark", "default")
 # why a cell that ran has no measurement (the table shows these; cells never run are listed per arm)
 FAILED_PREFIXES = ("the server died on these requests", "every request failed",
                    "the server kept dying before these cells ran")
 LANES = {"serial": 1, "batch4": 4, "batch8": 8}
-PEER_ARMS = ("llama.cpp", "llama.cpp-lookup", "transformers")
 # a server that cannot start (e.g. dspark for a model that ships no drafter and no
 # --draft-model) has its cells reported as skipped with the server's own error
 SERVER_FLAGS = {"none": ["--no-draft"], "ngram": ["--speculate", "ngram"], "dspark": ["--speculate", "dspark"],
@@ -133,7 +133,6 @@ def _ms(v):
 @dataclass
 class Plan:
     model: str
-    arms: list[str]
     lanes: list[str]
     workloads: dict  # name -> Workload
     grammar: list[bool]
@@ -307,7 +306,7 @@ class ModelRun:
         chat = has_chat_template(self.tokenizer)
         workloads = {k: v for k, v in build_workloads(opts.eval_dir, opts.prompts, opts.max_tokens).items()
                      if k in opts.workloads}
-        self.plan = Plan(display_name(model), opts.arms, opts.lanes, workloads, opts.grammar, opts.repeats, chat)
+        self.plan = Plan(display_name(model), opts.lanes, workloads, opts.grammar, opts.repeats, chat)
         self.info = {"chat": chat, "folder": self.folder.name, "arms": {}}
         warn(f"{model}: {'chat' if chat else 'completion'} workloads {', '.join(workloads)}; "
              f"lanes {', '.join(opts.lanes)}")

@@ -26,6 +26,7 @@ import time
 from verispec.bench.loadgen import LaneResult, RequestResult
 
 LLAMACPP_ARMS = ("llama.cpp", "llama.cpp-lookup")
+PEER_ARMS = (*LLAMACPP_ARMS, "transformers")
 
 
 def llamacpp_missing() -> str | None:
