@@ -199,3 +199,18 @@ def test_bad_matrix_flags_are_refused_with_the_choices(capsys):
     assert main(["bench", "matrix", "--max-tokens", "poem=5"]) == 2
     assert "WORKLOAD=N" in capsys.readouterr().err
     assert set(WORKLOADS) == {"chat", "long", "json"}
+
+
+def test_conformance_checks_each_output_against_its_own_request_when_one_failed():
+    """run_lane leaves failed requests out: the survivor must meet its own schema, not the
+    schema of whatever request now sits at its position."""
+    first, second = EXTRACTIONS[0].schema, EXTRACTIONS[2].schema
+    bodies = [{"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}}
+              for s in (first, second)]
+    answer = {"order_id": "88213", "customer": "Dana Whitfield", "product": "blender", "request": "replacement",
+              "sentiment": "negative"}
+    assert validate(json.dumps(answer), second) is None and validate(json.dumps(answer), first) is not None
+    survivor = RequestResult(0.1, 0.1, 3, json.dumps(answer), index=1)
+    cell = Cell(CellKey("m", "none", "serial", "json", True))
+    check_conformance(cell, bodies, LaneResult([survivor], 1.0, ["request 0: failed"]))
+    assert cell.checked == 1 and cell.invalid == []

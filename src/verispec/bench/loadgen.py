@@ -31,6 +31,7 @@ class RequestResult:
     finish_reason: str | None = None
     usage: dict | None = None
     gaps: list[float] = field(default_factory=list)  # seconds between consecutive content events
+    index: int = -1  # which of the lane's bodies this answers (failed requests leave gaps)
 
     @property
     def stream_tok_s(self) -> float | None:
@@ -120,6 +121,7 @@ async def run_lane(url: str, bodies: list[dict], concurrency: int, count_tokens=
             index, body = queue.pop(0)
             try:
                 results[index] = await stream_one(client, url, body, count_tokens)
+                results[index].index = index
             except Exception as e:  # noqa: BLE001 - counted and reported, the lane goes on
                 errors.append(f"request {index}: {type(e).__name__}: {e}")
 

@@ -31,6 +31,7 @@ the CPU: on a busy machine it warns and stamps the results "busy" (not quotable)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 from collections import Counter
@@ -170,7 +171,7 @@ def check_conformance(cell: Cell, bodies: list[dict], result: LaneResult) -> Non
     from verispec.bench.workloads import validate
 
     for index, req in enumerate(result.requests):
-        schema = _schema_of(bodies[index])
+        schema = _schema_of(bodies[req.index if req.index >= 0 else index])
         if schema is None:
             continue
         cell.checked += 1
@@ -193,13 +194,8 @@ def run_cell(url: str, served_name: str, plan: Plan, key: CellKey, workload, cel
     sent = [body_hook(b) for b in bodies] if body_hook else bodies
     endpoint = url + ("/v1/chat/completions" if plan.chat else "/v1/completions")
     sampler = RssSampler(pid) if pid else None
-    if sampler:
-        sampler.__enter__()
-    try:
+    with sampler or contextlib.nullcontext():
         result = run_lane_sync(endpoint, sent, LANES[key.lane], count_tokens)
-    finally:
-        if sampler:
-            sampler.__exit__(None, None, None)
     cell.runs.append(result)
     cell.peak_rss.append(sampler.peak if sampler else 0)
     if key.grammar:
