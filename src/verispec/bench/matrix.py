@@ -268,14 +268,21 @@ def run_matrix(opts: Options) -> dict:
     logs.mkdir(exist_ok=True)
     cells: dict[CellKey, Cell] = {}
     models_info = {}
-    for model in opts.models:
+
+    def result_so_far() -> dict:
+        rows = [c.metrics() for c in cells.values()]
+        _ratios(rows)
+        return {"bench": "matrix", "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)),
+                "minutes": round((time.time() - started) / 60, 1), "machine": machine, "models": models_info,
+                "repeats": opts.repeats, "rows": rows}
+
+    for i, model in enumerate(opts.models):
         models_info[display_name(model)] = _run_model(model, opts, cells, logs)
-    rows = [c.metrics() for c in cells.values()]
-    _ratios(rows)
-    result = {"bench": "matrix", "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)),
-              "minutes": round((time.time() - started) / 60, 1), "machine": machine, "models": models_info,
-              "repeats": opts.repeats, "rows": rows}
-    return result
+        if i < len(opts.models) - 1:  # a run killed later keeps every model that finished
+            partial = {**result_so_far(), "partial": f"models done: {', '.join(models_info)}"}
+            write_outputs(partial, opts.out, plots=False)
+            warn(f"{display_name(model)} done after {partial['minutes']} min; its results are in {opts.out}")
+    return result_so_far()
 
 
 def _run_model(model: str, opts: Options, cells: dict, logs: Path) -> dict:
@@ -512,7 +519,8 @@ def markdown(result: dict) -> str:
              f"Machine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}; "
              f"load average before the run {m['loadavg']:.2f}."
              + (" **BUSY MACHINE: these numbers are not quotable** (" + "; ".join(m["warnings"]) + ")."
-                if m["busy"] else ""),
+                if m["busy"] else "")
+             + (f" **Partial: {result['partial']}.**" if result.get("partial") else ""),
              f"Median of {result['repeats']} repeats per cell; greedy; `vs none` = this cell's aggregate tok/s over "
              f"verispec's none cell (same model, lane, workload, grammar); `grammar` = over the same arm's "
              f"grammar-off cell.", ""]
