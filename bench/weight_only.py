@@ -111,9 +111,9 @@ def candidates():
         if mod.bf16dot():
             out["verispec bf16dot"] = (lambda w: (lambda x, b=interleave4(w): mod.bf16_linear(
                 x.bfloat16(), b, None, w.shape[0], False)), 2.0)
-        if mod.vnni():
+        if mod.int8dot():
             for fmt, size in (("q8_0", 34 / 32), ("q4_1", 20 / 32)):
-                out[f"verispec {fmt}-vnni"] = (lambda w, fmt=fmt: (lambda x, b=interleave4_blocks(
+                out[f"verispec {fmt}-i8"] = (lambda w, fmt=fmt: (lambda x, b=interleave4_blocks(
                     quantize(w, fmt), fmt): mod.qlinear4(x, b, None, kernels.FORMATS[fmt], w.shape[0])), size)
     return out
 

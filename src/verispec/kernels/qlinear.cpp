@@ -635,6 +635,119 @@ void kernel_qx4(const QuantizedRows& xq, const uint8_t* w4, const float* bias, f
   }
 }
 
+// The same int8-activation product on AVX2 (no VNNI): maddubs (u8 x s8 pairs into int16)
+// then madd with ones (int16 pairs into int32) sums the same four bytes per int32 lane as
+// vpdpbusd, exactly (q4_1: at most 2 x 15 x 127 per int16; q8_0 goes through |w| and x
+// with w's sign, at most 2 x 127 x 127). Each 512-bit register of kernel_qx4 is two 256-bit
+// halves here (columns 0-1 and 2-3) with the same float operations per lane, so the two
+// paths give the same bits; only the speed differs.
+
+__attribute__((target("avx2,fma,f16c")))
+inline __m256i dot4_u8s8(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+
+// q8_0: one column's 32 |w| x signed-x products -> its 4 lanes ((b0-3 + b8-11), (b4-7 +
+// b12-15), (b16-19 + b24-27), (b20-23 + b28-31)), as kernel_qx4 folds them
+__attribute__((target("avx2,fma,f16c")))
+inline __m256i q8_col_pair(__m256i wa, __m256i wb, __m256i x) {
+  __m256i da = dot4_u8s8(_mm256_abs_epi8(wa), _mm256_sign_epi8(x, wa));
+  __m256i db = dot4_u8s8(_mm256_abs_epi8(wb), _mm256_sign_epi8(x, wb));
+  da = _mm256_add_epi32(da, _mm256_shuffle_epi32(da, 0x4E));
+  db = _mm256_add_epi32(db, _mm256_shuffle_epi32(db, 0x4E));
+  return _mm256_permute4x64_epi64(_mm256_unpacklo_epi64(da, db), 0xD8);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+inline __m256 col_sums_256(__m256 acc) {
+  __m256 a = _mm256_add_ps(acc, _mm256_shuffle_ps(acc, acc, 0x4E));
+  return _mm256_add_ps(a, _mm256_shuffle_ps(a, a, 0xB1));  // column sums in lanes 0 and 4
+}
+
+template <int FMT, int MT>
+__attribute__((target("avx2,fma,f16c")))
+inline void qx4_tile_256(const QuantizedRows& xq, const uint8_t* w4, const float* bias, float* y, int64_t N,
+                         int64_t K, int64_t m0, int64_t n) {
+  const int64_t nb = K / BLOCK;
+  constexpr int TB = FMT == Q4_1 ? Q4X4_BYTES : Q8X4_BYTES;
+  const uint8_t* tile = w4 + (n / 4) * nb * TB;
+  __m256 acc01[MT], acc23[MT];
+  __m128 macc[MT];
+#pragma GCC unroll 4
+  for (int t = 0; t < MT; t++) { acc01[t] = acc23[t] = _mm256_setzero_ps(); macc[t] = _mm_setzero_ps(); }
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  for (int64_t blk = 0; blk < nb; blk++) {
+    const uint8_t* p = tile + blk * TB;
+    _mm_prefetch((const char*)(p + 2 * nb * TB), _MM_HINT_T0);
+    _mm_prefetch((const char*)(p + 2 * nb * TB + 64), _MM_HINT_T0);
+    const __m256 d4 = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)p)));
+    const __m256 dv01 = _mm256_permutevar8x32_ps(d4, _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
+    const __m256 dv23 = _mm256_permutevar8x32_ps(d4, _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2));
+    __m128 m4 = FMT == Q4_1 ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(p + 8))) : _mm_setzero_ps();
+    __m256i wlo01, whi01, wlo23, whi23, w0, w1, w2, w3;
+    if constexpr (FMT == Q4_1) {
+      __m256i q01 = _mm256_loadu_si256((const __m256i*)(p + 16)), q23 = _mm256_loadu_si256((const __m256i*)(p + 48));
+      wlo01 = _mm256_and_si256(q01, low4);
+      whi01 = _mm256_and_si256(_mm256_srli_epi16(q01, 4), low4);
+      wlo23 = _mm256_and_si256(q23, low4);
+      whi23 = _mm256_and_si256(_mm256_srli_epi16(q23, 4), low4);
+    } else {
+      w0 = _mm256_loadu_si256((const __m256i*)(p + 8));
+      w1 = _mm256_loadu_si256((const __m256i*)(p + 40));
+      w2 = _mm256_loadu_si256((const __m256i*)(p + 72));
+      w3 = _mm256_loadu_si256((const __m256i*)(p + 104));
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < MT; t++) {
+      const int64_t r = m0 + t;
+      const int8_t* xr = xq.q.data() + r * K + blk * BLOCK;
+      __m256i dot01, dot23;
+      if constexpr (FMT == Q4_1) {
+        __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)xr));
+        __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(xr + 16)));
+        dot01 = _mm256_add_epi32(dot4_u8s8(wlo01, xlo), dot4_u8s8(whi01, xhi));
+        dot23 = _mm256_add_epi32(dot4_u8s8(wlo23, xlo), dot4_u8s8(whi23, xhi));
+      } else {
+        __m256i x = _mm256_loadu_si256((const __m256i*)xr);
+        dot01 = q8_col_pair(w0, w1, x);
+        dot23 = q8_col_pair(w2, w3, x);
+      }
+      const __m256 dx = _mm256_set1_ps(xq.scale[r * nb + blk]);
+      acc01[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot01), _mm256_mul_ps(dv01, dx), acc01[t]);
+      acc23[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot23), _mm256_mul_ps(dv23, dx), acc23[t]);
+      if constexpr (FMT == Q4_1) macc[t] = _mm_fmadd_ps(m4, _mm_set1_ps(xq.qsum[r * nb + blk]), macc[t]);
+    }
+  }
+  const bool full = n + 4 <= N;
+  const __m128 bv = bias && full ? _mm_loadu_ps(bias + n) : _mm_setzero_ps();
+  for (int t = 0; t < MT; t++) {
+    __m256 s01 = col_sums_256(acc01[t]), s23 = col_sums_256(acc23[t]);
+    __m128 c01 = _mm_unpacklo_ps(_mm256_castps256_ps128(s01), _mm256_extractf128_ps(s01, 1));
+    __m128 c23 = _mm_unpacklo_ps(_mm256_castps256_ps128(s23), _mm256_extractf128_ps(s23, 1));
+    __m128 r = _mm_add_ps(_mm_add_ps(_mm_movelh_ps(c01, c23), macc[t]), bv);
+    float* yr = y + (m0 + t) * N + n;
+    if (full) {
+      _mm_storeu_ps(yr, r);
+    } else {
+      float tmp[4];
+      _mm_storeu_ps(tmp, r);
+      for (int c = 0; c < 4 && n + c < N; c++) yr[c] = tmp[c] + (bias ? bias[n + c] : 0.0f);
+    }
+  }
+}
+
+template <int FMT>
+__attribute__((target("avx2,fma,f16c")))
+void kernel_qx4_256(const QuantizedRows& xq, const uint8_t* w4, const float* bias, float* y, int64_t M, int64_t N,
+                    int64_t K, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; n += 4) {
+    int64_t m0 = 0;
+    for (; M - m0 >= 4; m0 += 4) qx4_tile_256<FMT, 4>(xq, w4, bias, y, N, K, m0, n);
+    for (; M - m0 >= 2; m0 += 2) qx4_tile_256<FMT, 2>(xq, w4, bias, y, N, K, m0, n);
+    for (; m0 < M; m0++) qx4_tile_256<FMT, 1>(xq, w4, bias, y, N, K, m0, n);
+  }
+}
+
 // ---------------------------------------------------------------------------- AVX2
 
 __attribute__((target("avx2,fma,f16c")))
@@ -645,6 +758,80 @@ inline float hsum_2x256(__m256 a, __m256 b) {
   __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 0x55));
   return _mm_cvtss_f32(s1);
+}
+
+__attribute__((target("avx2,fma")))
+inline __m256 exp_poly256(__m256 x) {
+  // exp_poly512's operations on 8 lanes (and so exp_poly's, lane by lane)
+  x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), _mm256_max_ps(_mm256_set1_ps(-88.3762626647949f), x));
+  __m256 fx = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fmadd_ps(fx, _mm256_set1_ps(-0.693359375f), x);
+  r = _mm256_fmadd_ps(fx, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 rr = _mm256_mul_ps(r, r);
+  p = _mm256_fmadd_ps(p, rr, r);
+  p = _mm256_add_ps(p, _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+}
+
+// attend_one_512 on AVX2: each 16-lane vector of that path is a pair of 8-lane halves
+// (lanes 0..7, 8..15) reduced by hsum_2x256, the same tree; weights and the V sums are
+// per element in slot order as there. So both paths give the same bits.
+template <int DV>
+__attribute__((target("avx2,fma")))
+void attend_one_256(const float* q, const float* K, const float* V, const bool* allow, int64_t S, float scale,
+                    float* scores, float* out) {
+  constexpr int64_t D = DV * 16;
+  for (int64_t j = 0; j < S; j++) {
+    const float* kj = K + j * D;
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+#pragma GCC unroll 16
+    for (int d = 0; d < DV; d++) {
+      lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + d * 16), _mm256_loadu_ps(kj + d * 16), lo);
+      hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + d * 16 + 8), _mm256_loadu_ps(kj + d * 16 + 8), hi);
+    }
+    scores[j] = hsum_2x256(lo, hi) * scale;
+  }
+  float mx = -INFINITY;
+  for (int64_t jj = 0; jj < S; jj++)
+    if (!allow || allow[jj]) mx = std::max(mx, scores[jj]);
+  const __m256 vmx = _mm256_set1_ps(mx);
+  int64_t j = 0;
+  for (; j + 8 <= S; j += 8)
+    _mm256_storeu_ps(scores + j, exp_poly256(_mm256_sub_ps(_mm256_loadu_ps(scores + j), vmx)));
+  for (; j < S; j++) scores[j] = exp_poly(scores[j] - mx);
+  float sum = 0.0f;
+  __m256 acc[2 * DV];
+#pragma GCC unroll 32
+  for (int d = 0; d < 2 * DV; d++) acc[d] = _mm256_setzero_ps();
+  for (int64_t jj = 0; jj < S; jj++) {
+    if (allow && !allow[jj]) continue;
+    const float w = scores[jj];
+    sum += w;
+    const __m256 vw = _mm256_set1_ps(w);
+#pragma GCC unroll 32
+    for (int d = 0; d < 2 * DV; d++) acc[d] = _mm256_fmadd_ps(vw, _mm256_loadu_ps(V + jj * D + d * 8), acc[d]);
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / sum);
+#pragma GCC unroll 32
+  for (int d = 0; d < 2 * DV; d++) _mm256_storeu_ps(out + d * 8, _mm256_mul_ps(acc[d], inv));
+}
+
+__attribute__((target("avx2,fma")))
+inline void silu_mul_row_f32_256(const float* gu, float* out, int64_t I) {
+  int64_t j = 0;
+  for (; j + 8 <= I; j += 8) {
+    __m256 g = _mm256_loadu_ps(gu + j), u = _mm256_loadu_ps(gu + I + j);
+    __m256 e = exp_poly256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u));
+  }
+  for (; j < I; j++) out[j] = gu[j] / (1.0f + exp_poly(-gu[j])) * gu[I + j];
 }
 
 template <int FMT>
@@ -874,8 +1061,14 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
 // q [n, H, D], k and v [G, S, D] float32 (G KV heads, H a multiple of G), mask [n, S]
 // bool (true = attend) or undefined (every key); returns [n, H, D] float32
 // x float32 [M, K]; w the 4-interleaved q4_1 / q8_0 tiles (N rounded up to 4)
-torch::Tensor qlinear4(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t fmt, int64_t N) {
-  TORCH_CHECK(has_vnni(), "this CPU has no AVX-512 VNNI");
+// isa: -1 the best this CPU has, 3 VNNI, 1 AVX2 (both give the same bits)
+torch::Tensor qlinear4(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t fmt, int64_t N,
+                       int64_t isa) {
+  if (isa < 0) isa = has_vnni() ? VNNI : AVX2;
+  const bool vnni = isa == VNNI;
+  TORCH_CHECK(isa == VNNI || isa == AVX2, "qlinear4 runs on VNNI (3) or AVX2 (1)");
+  TORCH_CHECK(!vnni || has_vnni(), "this CPU has no AVX-512 VNNI");
+  TORCH_CHECK(vnni || best_isa() >= AVX2, "this CPU has no AVX2");
   TORCH_CHECK(fmt == Q4_1 || fmt == Q8_0, "qlinear4 reads q4_1 and q8_0 tiles");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
   x = x.contiguous();
@@ -898,8 +1091,10 @@ torch::Tensor qlinear4(torch::Tensor x, torch::Tensor w, c10::optional<torch::Te
   float* yp = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(4, n_pad / 4 / (4 * std::max(1, at::get_num_threads())));
   at::parallel_for(0, n_pad / 4, grain, [&](int64_t t0, int64_t t1) {
-    if (fmt == Q4_1) kernel_qx4<Q4_1>(xq, wp, bptr, yp, M, N, K, t0 * 4, t1 * 4);
-    else kernel_qx4<Q8_0>(xq, wp, bptr, yp, M, N, K, t0 * 4, t1 * 4);
+    if (vnni && fmt == Q4_1) kernel_qx4<Q4_1>(xq, wp, bptr, yp, M, N, K, t0 * 4, t1 * 4);
+    else if (vnni) kernel_qx4<Q8_0>(xq, wp, bptr, yp, M, N, K, t0 * 4, t1 * 4);
+    else if (fmt == Q4_1) kernel_qx4_256<Q4_1>(xq, wp, bptr, yp, M, N, K, t0 * 4, t1 * 4);
+    else kernel_qx4_256<Q8_0>(xq, wp, bptr, yp, M, N, K, t0 * 4, t1 * 4);
   });
   return y;
 }
@@ -921,7 +1116,7 @@ torch::Tensor attention_strided(torch::Tensor q, const float* kp, const float* v
   auto out = torch::empty({n, H, D}, q.options());
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const bool wide = best_isa() == AVX512;
+  const bool wide = best_isa() == AVX512, avx2 = best_isa() == AVX2;
   const int64_t per_group = H / G;
   at::parallel_for(0, n * H, 1, [&](int64_t a, int64_t b) {
     std::vector<float> scores(S + 16);
@@ -935,6 +1130,9 @@ torch::Tensor attention_strided(torch::Tensor q, const float* kp, const float* v
       if (wide && D == 64) attend_one_512<4>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
       else if (wide && D == 128) attend_one_512<8>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
       else if (wide && D == 256) attend_one_512<16>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
+      else if (avx2 && D == 64) attend_one_256<4>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
+      else if (avx2 && D == 128) attend_one_256<8>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
+      else if (avx2 && D == 256) attend_one_256<16>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
       else attend_one_scalar(qi, kg, vg, allow, S, D, (float)scale, scores.data(), oi);
     }
   });
@@ -1039,14 +1237,16 @@ inline void silu_mul_row_f32_512(const float* gu, float* out, int64_t I) {
 
 template <typename T>
 void silu_mul_impl(const T* gu, T* out, int64_t n, int64_t I) {
-  const bool wide = best_isa() == AVX512;
+  const bool wide = best_isa() == AVX512, avx2 = best_isa() == AVX2;
   std::vector<float> g(2 * I), o(I);
   for (int64_t i = 0; i < n; i++) {
     if constexpr (std::is_same_v<T, float>) {
       if (wide) { silu_mul_row_f32_512(gu + i * 2 * I, out + i * I, I); continue; }
+      if (avx2) { silu_mul_row_f32_256(gu + i * 2 * I, out + i * I, I); continue; }
     }
     for (int64_t j = 0; j < 2 * I; j++) g[j] = load_f(gu, i * 2 * I + j);
     if (wide) silu_mul_row_f32_512(g.data(), o.data(), I);
+    else if (avx2) silu_mul_row_f32_256(g.data(), o.data(), I);
     else for (int64_t j = 0; j < I; j++) o[j] = g[j] / (1.0f + exp_poly(-g[j])) * g[I + j];
     for (int64_t j = 0; j < I; j++) store_f(out, i * I + j, o[j]);
   }
@@ -1187,13 +1387,16 @@ torch::Tensor attend_cached(torch::Tensor q, torch::Tensor k_new, torch::Tensor 
 int64_t isa() { return best_isa(); }
 bool bf16dot() { return has_avx512bf16(); }
 bool vnni() { return has_vnni(); }
+int64_t int8dot() { return has_vnni() ? VNNI : best_isa() >= AVX2 ? AVX2 : 0; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "weight-only linear over q4_1 / q8_0 / bf16 rows (batch-invariant)");
   m.def("isa", &isa, "the ISA the float kernels dispatch to: 0 scalar, 1 avx2, 2 avx512");
   m.def("vnni", &vnni, "whether the int8-activation VNNI kernel runs here");
   m.def("bf16_linear", &bf16_linear, "bf16 x bf16 linear with float32 sums (AVX512-BF16, batch-invariant)");
-  m.def("qlinear4", &qlinear4, "q4_1 / q8_0 tiles x int8 activations (VNNI, batch-invariant)");
+  m.def("qlinear4", &qlinear4, "q4_1 / q8_0 tiles x int8 activations (VNNI or AVX2, batch-invariant)",
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("fmt"), py::arg("N"), py::arg("isa") = -1);
+  m.def("int8dot", &int8dot, "the ISA of the int8-activation kernels here: 3 VNNI, 1 AVX2, 0 none");
   m.def("rope_", &rope_, "RoPE in place (float32 / bfloat16)");
   m.def("rope_qk_", &rope_qk_, "RoPE in place on the q and k heads of fused qkv rows");
   m.def("rmsnorm", &rmsnorm, "RMSNorm of rows ([normed]), or of x + residual ([normed, sum])");

@@ -31,7 +31,9 @@ What is chosen:
 * **dtype** (`preferred_dtype`, what `--dtype auto` serves): bfloat16 or float32, a
   batch-invariant plan first, then whichever measures faster (on the Intel AMX host
   Gemma-3's float32 plan measured faster but has no invariant kernel for its float32
-  matrices, and served speculation there could change tokens).
+  matrices, and served speculation there could change tokens). PLAN_VERSION 4: the
+  int8-activation kernels are `-i8` (VNNI or AVX2) and a bf16 model has `bf16rows` where
+  AVX512-BF16 is missing, so an AVX2-only host has an invariant plan for both models.
 
 Checked by tests/test_kernel_plan.py (a plan is cached and reused, invalidated by its key;
 forced modes; lossless quantization found exactly where it exists) and, end to end, by
@@ -51,13 +53,13 @@ import torch
 
 from verispec.models.linear import Linear, kernel_runs
 
-PLAN_VERSION = 3
+PLAN_VERSION = 4
 VERIFY_ROWS = 9  # a verify block: 8 drafts + the pending token (the engine's default)
 MEMORY_BYTES = 48 * 2**20  # weight copies per timing, so a decode-like read comes from DRAM
 MAX_COPIES = 24
 MODES = ("auto", "invariant", "fastest", "onednn")
 QUANTS = ("auto", "none", "q8_0", "q4_1")
-INVARIANT = {"bf16dot", "q8_0", "q4_1", "q8_0-vnni", "q4_1-vnni"}  # by construction (kernels/qlinear.cpp)
+INVARIANT = {"bf16dot", "bf16rows", "q8_0", "q4_1", "q8_0-i8", "q4_1-i8"}  # by construction (kernels/qlinear.cpp)
 
 
 @dataclass
@@ -144,7 +146,7 @@ def _copies(weight: torch.Tensor, kernel: str, dtype: torch.dtype) -> list[Linea
     out = []
     for _ in range(n):
         layer = Linear(weight.shape[1], weight.shape[0])
-        layer.weight = torch.nn.Parameter(weight.to(dtype if kernel in ("aten", "onednn", "bf16dot") else torch.float32)
+        layer.weight = torch.nn.Parameter(weight.to(dtype if kernel in ("aten", "onednn", "bf16dot", "bf16rows") else torch.float32)
                                           .clone(), requires_grad=False)
         if not layer.use(kernel):
             return []
@@ -230,8 +232,8 @@ def lossless_formats(model) -> dict[str, str]:
 
 def candidates(dtype: torch.dtype, fmt: str | None) -> list[str]:
     if fmt is not None:
-        return [k for k in (f"{fmt}-vnni", fmt) if kernel_runs(k, dtype)]
-    base = ["bf16dot", "onednn", "aten"] if dtype == torch.bfloat16 else ["onednn", "aten"]
+        return [k for k in (f"{fmt}-i8", fmt) if kernel_runs(k, dtype)]
+    base = ["bf16dot", "bf16rows", "onednn", "aten"] if dtype == torch.bfloat16 else ["onednn", "aten"]
     return [k for k in base if kernel_runs(k, dtype)]
 
 

@@ -14,8 +14,12 @@ machine it runs on, and caches the choice):
               the row count its invariance probe found safe;
 * `bf16dot`   verispec's AVX512-BF16 kernel (kernels/qlinear.cpp): bf16 x bf16 with
               float32 sums, batch-invariant by construction;
-* `q8_0`, `q4_1` (+ `-vnni`): verispec's weight-only kernels over GGUF's blocks, float32
-              activations, or int8 activations with VNNI (llama.cpp's arithmetic);
+* `bf16rows`  verispec's float kernel over bf16 weight rows for a bf16 model on a CPU
+              without AVX512-BF16 (AVX2 or AVX-512F): activations widened to float32
+              (exact), products and sums in float32, batch-invariant by construction;
+* `q8_0`, `q4_1` (+ `-i8`): verispec's weight-only kernels over GGUF's blocks, float32
+              activations, or int8 activations (llama.cpp's arithmetic; AVX-512 VNNI or
+              AVX2, the same bits on both);
               fewer bytes per weight, batch-invariant by construction.
 
 Results of the float kernels differ from F.linear only by float rounding (tests compare
@@ -31,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNELS = ("aten", "onednn", "bf16dot", "q8_0", "q4_1", "q8_0-vnni", "q4_1-vnni")  # + "onednn:C"
+KERNELS = ("aten", "onednn", "bf16dot", "bf16rows", "q8_0", "q4_1", "q8_0-i8", "q4_1-i8")  # + "onednn:C"
 QUANT_FORMATS = ("q8_0", "q4_1")
 
 
@@ -75,8 +79,10 @@ def kernel_runs(kernel: str, dtype: torch.dtype) -> bool:
     mod = kernels.load()
     if base == "bf16dot":
         return dtype == torch.bfloat16 and bool(mod.bf16dot())
-    if base.endswith("-vnni"):
-        return bool(mod.vnni())
+    if base == "bf16rows":
+        return dtype == torch.bfloat16
+    if base.endswith("-i8"):
+        return bool(mod.int8dot())
     return base in QUANT_FORMATS
 
 
@@ -115,15 +121,15 @@ class Linear(nn.Module):
 
             if not kernel_runs(base, dense.dtype):
                 return False
-            fmt = "bf16" if base == "bf16dot" else base.removesuffix("-vnni")
+            fmt = "bf16" if base in ("bf16dot", "bf16rows") else base.removesuffix("-i8")
             if base == "bf16dot":
                 self.blocks = interleave4(dense)
-            elif base.endswith("-vnni"):
+            elif base.endswith("-i8"):
                 self.blocks = interleave4_blocks(quantize(dense, fmt), fmt)
             else:
                 self.blocks = quantize(dense, fmt)
             self._fmt = kernels.FORMATS[fmt]
-            self._isa = 3 if base.endswith("-vnni") else -1
+            self._isa = 3 if base.endswith("-i8") else -1  # 3: qlinear4 (int8 activations)
         self.kernel = base if base != "onednn" or not chunk else kernel
         self._dtype = dense.dtype
         self._call = _kernel_call(self) if self.blocks is not None else None
@@ -163,10 +169,10 @@ def _kernel_call(layer: Linear):
     if layer._isa == 3:
         fn = mod.qlinear4
 
-        def vnni(x):
+        def int8(x):
             y = fn(x if x.dtype == torch.float32 else x.float(), blocks, bias, fmt, n)
             return y if x.dtype == torch.float32 else y.to(x.dtype)
 
-        return vnni
+        return int8
     fn, isa = mod.qlinear, layer._isa
     return lambda x: fn(x.float(), blocks, bias, fmt, n, isa).to(x.dtype)
