@@ -46,6 +46,30 @@ def _random_split(text: str, rng: random.Random) -> list[str]:
     return [text[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
+def oracle_stop(pieces: list[str], stops: list[str]) -> str | None:
+    """Which stop string ended it: the earliest occurrence, the first listed on a tie."""
+    text = ""
+    for piece in pieces:
+        text += piece
+        hits = [(i, n, s) for n, s in enumerate(stops) if s and (i := text.find(s)) >= 0]
+        if hits:
+            return min(hits)[2]
+    return None
+
+
+def test_the_matcher_says_which_stop_string_ended_the_text():
+    rng = random.Random(1)
+    for _ in range(3000):
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        pieces = _random_split(text, rng)
+        m = StopMatcher(stops)
+        for piece in pieces:
+            if m.feed(piece)[1]:
+                break
+        assert m.matched == oracle_stop(pieces, stops), (pieces, stops)
+
+
 def test_matches_oracle_on_random_texts_and_splits():
     rng = random.Random(0)
     stopped_cases = 0

@@ -437,6 +437,7 @@ class Engine:
         if finish is not None:
             out.time_to_first_token, out.decode_time = row.timings()
             out.speculation = self.drafting.usage(row)
+            out.stop_string = row.text.matcher.matched if finish == FINISH_STOP else None
         try:
             row.sink(out)
         except Exception:  # noqa: BLE001 - a broken consumer must not break the engine

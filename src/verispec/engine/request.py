@@ -63,6 +63,7 @@ class RequestOutput:
     time_to_first_token: float | None = None
     decode_time: float | None = None
     speculation: dict | None = None  # drafted / accepted / rounds / mean_accepted_length, with a drafter
+    stop_string: str | None = None  # on the final delta: the stop string that ended it, if one did
 
     @property
     def finished(self) -> bool:

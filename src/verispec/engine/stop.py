@@ -26,6 +26,7 @@ class StopMatcher:
         self.stops = tuple(s for s in stops if s)
         self.buffer = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the output
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add a piece of text; return (text safe to release, whether a stop string ended it)."""
@@ -34,8 +35,9 @@ class StopMatcher:
         if not self.stops:
             return text, False
         self.buffer += text
-        cut = min((i for i in (self.buffer.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, n, s) for n, s in enumerate(self.stops) if (i := self.buffer.find(s)) >= 0]
+        if found:
+            cut, _, self.matched = min(found)
             out, self.buffer, self.stopped = self.buffer[:cut], "", True
             return out, True
         hold = self._partial_tail()

@@ -539,6 +539,18 @@ void attend_one_scalar(const float* q, const float* K, const float* V, const boo
 constexpr int Q4X4_BYTES = 80;
 constexpr int Q8X4_BYTES = 136;
 
+// one row's four column results of a tile (bias already added where the tile is whole; a
+// tile cut by N adds each column's bias itself)
+inline void store_cols4(float* yr, __m128 r, const float* bias, int64_t n, int64_t N) {
+  if (n + 4 <= N) {
+    _mm_storeu_ps(yr, r);
+    return;
+  }
+  float tmp[4];
+  _mm_storeu_ps(tmp, r);
+  for (int c = 0; c < 4 && n + c < N; c++) yr[c] = tmp[c] + (bias ? bias[n + c] : 0.0f);
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 inline __m128 col_sums(__m512 acc) {
   // per column c (lanes 4c..4c+3): (l0 + l2) + (l1 + l3)
@@ -607,19 +619,9 @@ inline void qx4_tile(const QuantizedRows& xq, const uint8_t* w4, const float* bi
       if constexpr (FMT == Q4_1) macc[t] = _mm_fmadd_ps(m4, _mm_set1_ps(xq.qsum[r * nb + blk]), macc[t]);
     }
   }
-  const bool full = n + 4 <= N;
-  const __m128 bv = bias && full ? _mm_loadu_ps(bias + n) : _mm_setzero_ps();
-  for (int t = 0; t < MT; t++) {
-    __m128 r = _mm_add_ps(_mm_add_ps(col_sums(acc[t]), macc[t]), bv);
-    float* yr = y + (m0 + t) * N + n;
-    if (full) {
-      _mm_storeu_ps(yr, r);
-    } else {
-      float tmp[4];
-      _mm_storeu_ps(tmp, r);
-      for (int c = 0; c < 4 && n + c < N; c++) yr[c] = tmp[c] + (bias ? bias[n + c] : 0.0f);
-    }
-  }
+  const __m128 bv = bias && n + 4 <= N ? _mm_loadu_ps(bias + n) : _mm_setzero_ps();
+  for (int t = 0; t < MT; t++)
+    store_cols4(y + (m0 + t) * N + n, _mm_add_ps(_mm_add_ps(col_sums(acc[t]), macc[t]), bv), bias, n, N);
 }
 
 template <int FMT>
@@ -718,21 +720,12 @@ inline void qx4_tile_256(const QuantizedRows& xq, const uint8_t* w4, const float
       if constexpr (FMT == Q4_1) macc[t] = _mm_fmadd_ps(m4, _mm_set1_ps(xq.qsum[r * nb + blk]), macc[t]);
     }
   }
-  const bool full = n + 4 <= N;
-  const __m128 bv = bias && full ? _mm_loadu_ps(bias + n) : _mm_setzero_ps();
+  const __m128 bv = bias && n + 4 <= N ? _mm_loadu_ps(bias + n) : _mm_setzero_ps();
   for (int t = 0; t < MT; t++) {
     __m256 s01 = col_sums_256(acc01[t]), s23 = col_sums_256(acc23[t]);
     __m128 c01 = _mm_unpacklo_ps(_mm256_castps256_ps128(s01), _mm256_extractf128_ps(s01, 1));
     __m128 c23 = _mm_unpacklo_ps(_mm256_castps256_ps128(s23), _mm256_extractf128_ps(s23, 1));
-    __m128 r = _mm_add_ps(_mm_add_ps(_mm_movelh_ps(c01, c23), macc[t]), bv);
-    float* yr = y + (m0 + t) * N + n;
-    if (full) {
-      _mm_storeu_ps(yr, r);
-    } else {
-      float tmp[4];
-      _mm_storeu_ps(tmp, r);
-      for (int c = 0; c < 4 && n + c < N; c++) yr[c] = tmp[c] + (bias ? bias[n + c] : 0.0f);
-    }
+    store_cols4(y + (m0 + t) * N + n, _mm_add_ps(_mm_add_ps(_mm_movelh_ps(c01, c23), macc[t]), bv), bias, n, N);
   }
 }
 

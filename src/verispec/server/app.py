@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI): routes, streaming, errors.
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    POST /v1/messages (Anthropic's Messages API: anthropic_messages.py)
     GET /health   GET /metrics (Prometheus text)   GET /stats (JSON)   GET /openapi.json
 
 A handler checks the key and the body (a JSON `Content-Type`, then protocol.py's
@@ -43,14 +44,14 @@ from verispec.server.errors import (
     ApiError,
     BodyLimit,
     authorized,
-    error_body,
     error_response,
     require_json,
 )
+from verispec.server.anthropic_messages import MessagesFormat, MessagesRequest, anthropic_error_body, parse_messages, to_chat
 from verispec.server.prompts import PromptBuilder
 from verispec.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, build_requests, parse
-from verispec.server.responses import ChatFormat, Choice, CompletionFormat, now, usage
-from verispec.server.streaming import DONE, EngineStream, sse
+from verispec.server.responses import ChatFormat, Choice, CompletionFormat, WireFormat, now, usage
+from verispec.server.streaming import EngineStream
 from verispec.server.structured import StructuredOutput, constraint
 
 log = logging.getLogger("verispec.server")
@@ -102,7 +103,10 @@ def state_of(request: Request) -> ServerState:
 
 
 def require_key(request: Request) -> None:
-    if not authorized(request.headers.get("authorization"), state_of(request).config.api_key):
+    """The server's key as a bearer token, or as `x-api-key` (Anthropic's clients send that)."""
+    key = state_of(request).config.api_key
+    if not (authorized(request.headers.get("authorization"), key)
+            or authorized(f"Bearer {request.headers.get('x-api-key', '')}", key)):
         raise ApiError(401, "invalid or missing API key (send Authorization: Bearer <key>)", code="invalid_api_key")
 
 
@@ -133,7 +137,7 @@ def generation_failed(state: ServerState, choice_or_out) -> ApiError:
     return ApiError(500, f"generation failed: {choice_or_out.error or choice_or_out.finish_reason}")
 
 
-async def respond(request: Request, req: SamplingFields, fmt: ChatFormat, prompts: list[list[int]], max_tokens,
+async def respond(request: Request, req: SamplingFields, fmt: WireFormat, prompts: list[list[int]], max_tokens,
                   grammar=None, prompt_param: str = "prompt"):
     state = state_of(request)
     requests = build_requests(req, prompts, max_tokens, fmt_logprobs(req), state.config.generation_defaults,
@@ -145,9 +149,9 @@ async def respond(request: Request, req: SamplingFields, fmt: ChatFormat, prompt
         if e.param == "prompt":  # the engine speaks of prompts; chat clients sent messages
             e.param = prompt_param
         raise
-    prompt_tokens = sum(len(p) for p in prompts)
+    prompt_tokens = fmt.prompt_tokens = sum(len(p) for p in prompts)
     if req.stream:
-        return StreamingResponse(stream_events(state, stream, fmt, len(requests), prompt_tokens, req.include_usage),
+        return StreamingResponse(stream_events(state, stream, fmt, len(requests), prompt_tokens),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
@@ -160,7 +164,7 @@ async def respond(request: Request, req: SamplingFields, fmt: ChatFormat, prompt
     return JSONResponse(fmt.final(choices, usage(prompt_tokens, choices)))
 
 
-def add_delta(stream: EngineStream, fmt: ChatFormat, choice: Choice, index: int, out) -> int:
+def add_delta(stream: EngineStream, fmt: WireFormat, choice: Choice, index: int, out) -> int:
     """Take one delta into its choice; return where its text starts. A tool answer that
     repeats a call is ended here: its row is cancelled, the repeat dropped."""
     offset = choice.add(out.text, out.tokens)
@@ -172,7 +176,7 @@ def add_delta(stream: EngineStream, fmt: ChatFormat, choice: Choice, index: int,
     return offset
 
 
-async def collect(request: Request, stream: EngineStream, fmt: ChatFormat, n: int) -> list[Choice]:
+async def collect(request: Request, stream: EngineStream, fmt: WireFormat, n: int) -> list[Choice]:
     choices = [Choice() for _ in range(n)]
     next_poll = time.monotonic() + DISCONNECT_POLL_S
     while stream.open:
@@ -189,34 +193,31 @@ async def collect(request: Request, stream: EngineStream, fmt: ChatFormat, n: in
     return choices
 
 
-async def stream_events(state: ServerState, stream: EngineStream, fmt: ChatFormat, n: int, prompt_tokens: int,
-                        include_usage: bool):
+async def stream_events(state: ServerState, stream: EngineStream, fmt: WireFormat, n: int, prompt_tokens: int):
+    """The SSE text of a streamed answer, in the API's own events (fmt)."""
     choices = [Choice() for _ in range(n)]
-
-    def chunk(payload: dict) -> str:
-        return sse({**payload, "usage": None} if include_usage else payload)
-
     try:
-        for payload in fmt.opening(n):
-            yield chunk(payload)
+        for text in fmt.stream_start(n):
+            yield text
         async for index, out in stream.events():
             if out.finish_reason in (FINISH_ERROR, FINISH_ABORT):
                 e = generation_failed(state, out)
-                yield sse(error_body(e.status, str(e)))
+                for text in fmt.stream_error(e.status, str(e)):
+                    yield text
                 break
             choice = choices[index]
             offset = add_delta(stream, fmt, choice, index, out)
             if out.text or out.tokens:
-                payload = fmt.delta(index, out.text, out.tokens, offset)
-                if payload is not None:
-                    yield chunk(payload)
+                for text in fmt.stream_delta(index, out.text, out.tokens, offset):
+                    yield text
             if choice.finish_reason is not None:
-                for payload in fmt.finish_chunks(index, choice):
-                    yield chunk(payload)
+                for text in fmt.stream_finish(index, choice):
+                    yield text
         else:
-            if include_usage:
-                yield sse(fmt.usage_chunk(usage(prompt_tokens, choices)))
-        yield DONE
+            for text in fmt.stream_end(usage(prompt_tokens, choices)):
+                yield text
+        for text in fmt.stream_tail():
+            yield text
     finally:
         stream.close()  # client gone or done: cancel what still runs, free its memory
 
@@ -224,14 +225,31 @@ async def stream_events(state: ServerState, stream: EngineStream, fmt: ChatForma
 # -- routes -----------------------------------------------------------------------------------
 
 
-async def chat_completions(request: Request):
+async def answer_chat(request: Request, req: ChatCompletionRequest, make_format):
+    """A chat request (from any API) answered in the format `make_format(tools)` gives."""
     state = state_of(request)
-    req = await read_body(request, ChatCompletionRequest)
     wanted = constraint(req, req.tools, req.tool_choice, req.parallel_tool_calls)
     grammar = await state.structured.compile_async(wanted) if wanted else None
     prompt = await state.prompts.chat(req, with_tools=wanted is not None and wanted.tools is not None)
-    fmt = ChatFormat(state.config.model_name, state.token_text, req.logprobs, wanted.tools if wanted else None)
+    fmt = make_format(wanted.tools if wanted else None)
     return await respond(request, req, fmt, [prompt], req.max_completion_tokens or req.max_tokens, grammar, "messages")
+
+
+async def chat_completions(request: Request):
+    state = state_of(request)
+    req = await read_body(request, ChatCompletionRequest)
+    return await answer_chat(request, req, lambda tools: ChatFormat(state.config.model_name, state.token_text,
+                                                                    req.logprobs, tools, req.include_usage))
+
+
+async def messages(request: Request):
+    """Anthropic's Messages API, answered by the chat path (anthropic_messages.py)."""
+    state = state_of(request)
+    require_key(request)
+    require_json(request.headers.get("content-type"))
+    body = parse_messages(await request.body())
+    require_model(state, body.model)
+    return await answer_chat(request, to_chat(body), lambda tools: MessagesFormat(state.config.model_name, tools))
 
 
 async def completions(request: Request):
@@ -240,7 +258,8 @@ async def completions(request: Request):
     wanted = constraint(req)
     grammar = await state.structured.compile_async(wanted) if wanted else None
     prompts = await state.prompts.completion(req)
-    fmt = CompletionFormat(state.config.model_name, state.token_text, req.logprobs is not None)
+    fmt = CompletionFormat(state.config.model_name, state.token_text, req.logprobs is not None,
+                           include_usage=req.include_usage)
     return await respond(request, req, fmt, prompts, req.max_tokens, grammar, "prompt")
 
 
@@ -272,6 +291,7 @@ async def prometheus(request: Request):
 ROUTE_TABLE = (
     ("/v1/chat/completions", "POST", chat_completions, ChatCompletionRequest, "Create a chat completion"),
     ("/v1/completions", "POST", completions, CompletionRequest, "Create a text completion"),
+    ("/v1/messages", "POST", messages, MessagesRequest, "Create a message (Anthropic's Messages API)"),
     ("/v1/models", "GET", models, None, "List the served model"),
     ("/health", "GET", health, None, "Liveness of the engine loop"),
     ("/stats", "GET", stats, None, "Engine, speculation and grammar-cache state as JSON"),
@@ -283,27 +303,37 @@ ROUTES = tuple(path for path, *_ in ROUTE_TABLE) + ("/openapi.json",)
 # -- the app ----------------------------------------------------------------------------------
 
 
+def api_error_response(request: Request, status: int, message: str, param: str | None = None,
+                       code: str | None = None) -> JSONResponse:
+    """An error in the body shape of the route's API: Anthropic's on /v1/messages, else OpenAI's."""
+    if request.url.path == "/v1/messages":
+        # Anthropic's body has no `param`: the message names the field
+        named = f"{param}: {message}" if param and not message.startswith(param) else message
+        return JSONResponse(anthropic_error_body(status, named), status_code=status)
+    return error_response(status, message, param, code)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestRejected)
-    async def _rejected(_request, e: RequestRejected):
-        return error_response(e.status, str(e), e.param)
+    async def _rejected(request, e: RequestRejected):
+        return api_error_response(request, e.status, str(e), e.param)
 
     @app.exception_handler(ApiError)
-    async def _api_error(_request, e: ApiError):
-        return error_response(e.status, str(e), e.param, e.code)
+    async def _api_error(request, e: ApiError):
+        return api_error_response(request, e.status, str(e), e.param, e.code)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail))
+    async def _http_error(request, e: StarletteHTTPException):
+        return api_error_response(request, e.status_code, str(e.detail))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request, e: RequestValidationError):
-        return error_response(400, str(e))
+    async def _validation_error(request, e: RequestValidationError):
+        return api_error_response(request, 400, str(e))
 
     @app.exception_handler(Exception)
-    async def _unexpected(_request, e: Exception):
+    async def _unexpected(request, e: Exception):
         log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(e).__name__}")
+        return api_error_response(request, 500, f"internal error: {type(e).__name__}")
 
 
 def openapi_schema(app: FastAPI) -> dict:

@@ -191,12 +191,18 @@ def check_unsupported(req: SamplingFields) -> None:
             raise RequestRejected("best_of is not supported by this server (it must equal n)", "best_of")
 
 
-def parse(model: type[SamplingFields], body: bytes) -> SamplingFields:
-    """Validate a JSON body; RequestRejected (400, naming the field) on any mistake."""
+def parse_body(model: type[BaseModel], body: bytes):
+    """Validate a JSON body against any request model; RequestRejected (400, naming the
+    field) on any mistake."""
     try:
-        req = model.model_validate_json(body)
+        return model.model_validate_json(body)
     except ValidationError as e:
         raise _rejection(e) from None
+
+
+def parse(model: type[SamplingFields], body: bytes) -> SamplingFields:
+    """An OpenAI body, with the features this server does not have refused by name."""
+    req = parse_body(model, body)
     check_unsupported(req)
     return req
 

@@ -13,6 +13,8 @@ import uuid
 
 from verispec.engine.request import TokenInfo
 from verispec.models.tokenizer import TokenText
+from verispec.server.errors import error_body
+from verispec.server.streaming import DONE, sse
 
 
 def new_id(prefix: str) -> str:
@@ -98,10 +100,11 @@ class Choice:
         self.completion_tokens = 0
         self.error: str | None = None
         self.speculation: dict | None = None
+        self.stop_string: str | None = None
 
     def finish(self, out) -> None:
         self.finish_reason, self.completion_tokens = out.finish_reason, out.completion_tokens
-        self.error, self.speculation = out.error, out.speculation
+        self.error, self.speculation, self.stop_string = out.error, out.speculation, out.stop_string
 
     def finish_early(self) -> None:
         """Ended by the server before the engine finished it (a repeated tool call)."""
@@ -116,15 +119,80 @@ class Choice:
         return start
 
 
-class ChatFormat:
+class WireFormat:
+    """What an API's bodies look like: the whole answer (`final`) and, when streaming, the
+    Server-Sent Events text the handler yields as the rows progress (`stream_*`). The
+    handlers in app.py drive every API through these methods; an API is one subclass
+    (OpenAI chat and completions here, Anthropic's Messages in anthropic_messages.py,
+    OpenAI's Responses in openai_responses.py)."""
+
+    tools = None  # server/structured.py ToolMode: the constrained text becomes tool calls
+    prompt_tokens = 0  # set by the handler before the stream starts
+
+    def stream_start(self, n: int) -> list[str]:
+        return []
+
+    def stream_delta(self, index: int, text: str, tokens: list[TokenInfo], offset: int) -> list[str]:
+        raise NotImplementedError
+
+    def stream_finish(self, index: int, choice: Choice) -> list[str]:
+        raise NotImplementedError
+
+    def stream_end(self, usage_block: dict) -> list[str]:
+        """After every choice finished."""
+        return []
+
+    def stream_error(self, status: int, message: str) -> list[str]:
+        return [sse(error_body(status, message))]
+
+    def stream_tail(self) -> list[str]:
+        """The last text of every stream, also after an error."""
+        return []
+
+    def final(self, choices: list[Choice], usage_block: dict) -> dict:
+        raise NotImplementedError
+
+    def repeats_a_call(self, choice: Choice) -> bool:
+        """A tool answer that just repeated one of its calls: the caller ends it there."""
+        return self.tools is not None and choice.finish_reason is None and self.tools.repeats("".join(choice.text))
+
+    def tool_calls(self, choice: Choice) -> list[dict] | None:
+        """The complete calls of a tool-constrained output, OpenAI-shaped (a call cut short
+        by max_tokens is dropped, never sent as content)."""
+        if self.tools is None or choice.finish_reason not in ("stop", "length"):
+            return None
+        return self.tools.calls("".join(choice.text)) or None
+
+
+class ChatFormat(WireFormat):
     """chat.completion and chat.completion.chunk bodies."""
 
     object_final, object_chunk, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
 
-    def __init__(self, model: str, token_text: TokenText, logprobs: bool, tools=None):
+    def __init__(self, model: str, token_text: TokenText, logprobs: bool, tools=None, include_usage: bool = False):
         self.model, self.token_text, self.logprobs = model, token_text, logprobs
-        self.tools = tools  # server/structured.py ToolMode: the constrained text becomes tool_calls
+        self.tools = tools
+        self.include_usage = include_usage  # stream_options.include_usage: every chunk says "usage": null
         self.id, self.created = new_id(self.id_prefix), now()
+
+    def frame(self, payload: dict) -> str:
+        return sse({**payload, "usage": None} if self.include_usage else payload)
+
+    def stream_start(self, n: int) -> list[str]:
+        return [self.frame(p) for p in self.opening(n)]
+
+    def stream_delta(self, index: int, text: str, tokens: list[TokenInfo], offset: int) -> list[str]:
+        payload = self.delta(index, text, tokens, offset)
+        return [] if payload is None else [self.frame(payload)]
+
+    def stream_finish(self, index: int, choice: Choice) -> list[str]:
+        return [self.frame(p) for p in self.finish_chunks(index, choice)]
+
+    def stream_end(self, usage_block: dict) -> list[str]:
+        return [sse(self.usage_chunk(usage_block))] if self.include_usage else []
+
+    def stream_tail(self) -> list[str]:
+        return [DONE]
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -147,7 +215,7 @@ class ChatFormat:
 
     def finish_chunks(self, index: int, choice: Choice) -> list[dict]:
         chunks = []
-        calls = self._tool_calls(choice)
+        calls = self.tool_calls(choice)
         if calls:
             delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
             chunks.append(self._envelope(self.object_chunk, [{"index": index, "delta": delta, "logprobs": None,
@@ -155,17 +223,6 @@ class ChatFormat:
         chunks.append(self._envelope(self.object_chunk, [{"index": index, "delta": {}, "logprobs": None,
                                                           "finish_reason": self._reason(choice, calls)}]))
         return chunks
-
-    def _tool_calls(self, choice: Choice) -> list[dict] | None:
-        """The complete calls of a tool-constrained output (a call cut short by max_tokens
-        is dropped, never sent as content)."""
-        if self.tools is None or choice.finish_reason not in ("stop", "length"):
-            return None
-        return self.tools.calls("".join(choice.text)) or None
-
-    def repeats_a_call(self, choice: Choice) -> bool:
-        """A tool answer that just repeated one of its calls: the caller ends it there."""
-        return self.tools is not None and choice.finish_reason is None and self.tools.repeats("".join(choice.text))
 
     def _reason(self, choice: Choice, calls) -> str | None:
         if choice.finish_reason == "length":
@@ -176,7 +233,7 @@ class ChatFormat:
         return {**self._envelope(self.object_chunk, []), "usage": usage_block}
 
     def final_choice(self, index: int, choice: Choice) -> dict:
-        calls = self._tool_calls(choice)
+        calls = self.tool_calls(choice)
         message = {"role": "assistant", "content": None if self.tools is not None else "".join(choice.text)}
         if calls:
             message["tool_calls"] = calls
