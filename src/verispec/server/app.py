@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
     POST /v1/messages (Anthropic's Messages API: anthropic_messages.py)
+    POST /v1/responses, GET and DELETE /v1/responses/{id} (OpenAI's Responses API: openai_responses.py)
     GET /health   GET /metrics (Prometheus text)   GET /stats (JSON)   GET /openapi.json
 
 A handler checks the key and the body (a JSON `Content-Type`, then protocol.py's
@@ -48,6 +49,7 @@ from verispec.server.errors import (
     require_json,
 )
 from verispec.server.anthropic_messages import MessagesFormat, MessagesRequest, anthropic_error_body, parse_messages, to_chat
+from verispec.server.openai_responses import ResponsesFormat, ResponsesRequest, ResponseStore, parse_responses, to_chat as responses_to_chat
 from verispec.server.prompts import PromptBuilder
 from verispec.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, build_requests, parse
 from verispec.server.responses import ChatFormat, Choice, CompletionFormat, WireFormat, now, usage
@@ -88,6 +90,7 @@ class ServerState:
     token_text: TokenText
     http_counts: Counter = field(default_factory=Counter)
     started: int = field(default_factory=now)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses' past responses
 
     def default_max_tokens(self, prompt_len: int) -> int:
         """A request without max_tokens: the server's default bound, within what is left
@@ -252,6 +255,46 @@ async def messages(request: Request):
     return await answer_chat(request, to_chat(body), lambda tools: MessagesFormat(state.config.model_name, tools))
 
 
+async def responses_create(request: Request):
+    """OpenAI's Responses API, answered by the chat path (openai_responses.py)."""
+    state = state_of(request)
+    require_key(request)
+    require_json(request.headers.get("content-type"))
+    body = parse_responses(await request.body())
+    require_model(state, body.model)
+    history: list[dict] = []
+    if body.previous_response_id is not None:
+        found = state.responses.get(body.previous_response_id)
+        if found is None:
+            raise ApiError(404, f"previous response {body.previous_response_id!r} is not stored here (never made, "
+                           "made with store: false, deleted, or evicted from the bounded store)",
+                           "previous_response_id", "previous_response_not_found")
+        history = found[1]
+    req, conversation = responses_to_chat(body, history)
+    return await answer_chat(request, req, lambda tools: ResponsesFormat(state.config.model_name, tools, body,
+                                                                        conversation, state.responses))
+
+
+def _stored(request: Request) -> tuple[ServerState, str, dict]:
+    require_key(request)
+    state = state_of(request)
+    response_id = request.path_params["response_id"]
+    found = state.responses.get(response_id)
+    if found is None:
+        raise ApiError(404, f"response {response_id!r} is not stored here", "response_id", "response_not_found")
+    return state, response_id, found[0]
+
+
+async def responses_get(request: Request):
+    return _stored(request)[2]
+
+
+async def responses_delete(request: Request):
+    state, response_id, _ = _stored(request)
+    state.responses.delete(response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
 async def completions(request: Request):
     state = state_of(request)
     req = await read_body(request, CompletionRequest)
@@ -278,7 +321,9 @@ async def health(request: Request):
 
 async def stats(request: Request):
     state = state_of(request)
-    return {"model": state.config.model_name, **state.engine.stats(), "grammar_cache": state.structured.stats()}
+    return {"model": state.config.model_name, **state.engine.stats(), "grammar_cache": state.structured.stats(),
+            "responses_store": {"stored": len(state.responses), "bytes": state.responses.bytes,
+                                "max_stored": state.responses.max_items, "max_bytes": state.responses.max_bytes}}
 
 
 async def prometheus(request: Request):
@@ -292,6 +337,9 @@ ROUTE_TABLE = (
     ("/v1/chat/completions", "POST", chat_completions, ChatCompletionRequest, "Create a chat completion"),
     ("/v1/completions", "POST", completions, CompletionRequest, "Create a text completion"),
     ("/v1/messages", "POST", messages, MessagesRequest, "Create a message (Anthropic's Messages API)"),
+    ("/v1/responses", "POST", responses_create, ResponsesRequest, "Create a response (OpenAI's Responses API)"),
+    ("/v1/responses/{response_id}", "GET", responses_get, None, "A stored response"),
+    ("/v1/responses/{response_id}", "DELETE", responses_delete, None, "Delete a stored response"),
     ("/v1/models", "GET", models, None, "List the served model"),
     ("/health", "GET", health, None, "Liveness of the engine loop"),
     ("/stats", "GET", stats, None, "Engine, speculation and grammar-cache state as JSON"),
@@ -409,5 +457,7 @@ class CountRequests:
         try:
             await self.app(scope, receive, tracking_send)
         finally:
-            route = scope["path"] if scope["path"] in ROUTES else "other"
+            path = scope["path"]
+            route = path if path in ROUTES else "/v1/responses/{response_id}" \
+                if path.startswith("/v1/responses/") else "other"
             self.counts[(route, str(status))] += 1
