@@ -119,10 +119,11 @@ def require_model(state: ServerState, name: str) -> None:
                        "model", "model_not_found")
 
 
-async def read_body(request: Request, model: type[SamplingFields]) -> SamplingFields:
+async def read_body(request: Request, model: type[SamplingFields], parser=parse):
+    """The key, the content type, the body (`parser(model, bytes)`) and its model, checked."""
     require_key(request)
     require_json(request.headers.get("content-type"))
-    req = parse(model, await request.body())
+    req = parser(model, await request.body())
     require_model(state_of(request), req.model)
     return req
 
@@ -248,20 +249,14 @@ async def chat_completions(request: Request):
 async def messages(request: Request):
     """Anthropic's Messages API, answered by the chat path (anthropic_messages.py)."""
     state = state_of(request)
-    require_key(request)
-    require_json(request.headers.get("content-type"))
-    body = parse_messages(await request.body())
-    require_model(state, body.model)
+    body = await read_body(request, MessagesRequest, lambda _model, raw: parse_messages(raw))
     return await answer_chat(request, to_chat(body), lambda tools: MessagesFormat(state.config.model_name, tools))
 
 
 async def responses_create(request: Request):
     """OpenAI's Responses API, answered by the chat path (openai_responses.py)."""
     state = state_of(request)
-    require_key(request)
-    require_json(request.headers.get("content-type"))
-    body = parse_responses(await request.body())
-    require_model(state, body.model)
+    body = await read_body(request, ResponsesRequest, lambda _model, raw: parse_responses(raw))
     history: list[dict] = []
     if body.previous_response_id is not None:
         found = state.responses.get(body.previous_response_id)
