@@ -252,9 +252,9 @@ class MessagesFormat(WireFormat):
                    "stop_reason": None, "stop_sequence": None, "usage": self._usage(0, None)}
         return [_sse({"type": "message_start", "message": message})]
 
-    def stream_delta(self, index: int, text: str, tokens, offset: int) -> list[str]:
-        if self.tools is not None or not text:
-            return []  # a call's input is sent whole, once it is complete (stream_finish)
+    def _text_events(self, text: str) -> list[str]:
+        if not text:
+            return []
         out = []
         if not self.text_open:
             self.text_open = True
@@ -264,8 +264,11 @@ class MessagesFormat(WireFormat):
                          "delta": {"type": "text_delta", "text": text}}))
         return out
 
+    def stream_delta(self, index: int, text: str, tokens, offset: int) -> list[str]:
+        return self._text_events(self.visible(index, text))  # calls are sent whole, once complete
+
     def stream_finish(self, index: int, choice: Choice) -> list[str]:
-        out = []
+        out = self._text_events(self.unsent(index, choice))
         if self.text_open:
             out.append(_sse({"type": "content_block_stop", "index": self.blocks}))
             self.blocks += 1
@@ -293,9 +296,8 @@ class MessagesFormat(WireFormat):
     def final(self, choices: list[Choice], usage_block: dict) -> dict:
         choice = choices[0]
         calls = self.tool_calls(choice)
-        text = "".join(choice.text)
-        content = self._tool_blocks(calls) if self.tools is not None else ([{"type": "text", "text": text}]
-                                                                            if text else [])
+        text = self.content(choice)
+        content = ([{"type": "text", "text": text}] if text else []) + self._tool_blocks(calls)
         reason, sequence = self._stop(choice, calls)
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": reason, "stop_sequence": sequence,

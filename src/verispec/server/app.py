@@ -232,9 +232,10 @@ async def stream_events(state: ServerState, stream: EngineStream, fmt: WireForma
 async def answer_chat(request: Request, req: ChatCompletionRequest, make_format):
     """A chat request (from any API) answered in the format `make_format(tools)` gives."""
     state = state_of(request)
-    wanted = constraint(req, req.tools, req.tool_choice, req.parallel_tool_calls)
+    wanted = constraint(req, req.tools, req.tool_choice, req.parallel_tool_calls, state.prompts.tool_syntax)
     grammar = await state.structured.compile_async(wanted) if wanted else None
-    prompt = await state.prompts.chat(req, with_tools=wanted is not None and wanted.tools is not None)
+    tools = wanted.tools if wanted else None
+    prompt = await state.prompts.chat(req, with_tools=tools is not None, auto=tools is not None and tools.auto)
     fmt = make_format(wanted.tools if wanted else None)
     return await respond(request, req, fmt, [prompt], req.max_completion_tokens or req.max_tokens, grammar, "messages")
 

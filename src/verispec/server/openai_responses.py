@@ -310,9 +310,8 @@ class ResponsesFormat(WireFormat):
                 for c in self.tool_calls(choice) or []]
 
     def _output(self, choice: Choice) -> list[dict]:
-        if self.tools is not None:
-            return self._calls(choice)
-        return [self._message("".join(choice.text), "completed")]
+        text = self.content(choice)
+        return ([self._message(text or "", "completed")] if self.tools is None or text else []) + self._calls(choice)
 
     def _usage(self, usage_block: dict) -> dict:
         out = {"input_tokens": usage_block["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
@@ -359,27 +358,34 @@ class ResponsesFormat(WireFormat):
                 self._event("response.content_part.added", item_id=self.message_id, output_index=0, content_index=0,
                             part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
 
-    def stream_delta(self, index: int, text: str, tokens, offset: int) -> list[str]:
-        if self.tools is not None or not text:
-            return []  # a call's arguments are sent whole, once complete (stream_finish)
+    def _text_events(self, text: str) -> list[str]:
+        if not text:
+            return []
         out = [] if self.text_open else self._open_text()
         return out + [self._event("response.output_text.delta", item_id=self.message_id, output_index=0,
                                   content_index=0, delta=text, logprobs=[])]
 
+    def stream_delta(self, index: int, text: str, tokens, offset: int) -> list[str]:
+        return self._text_events(self.visible(index, text))  # calls are sent whole, once complete
+
     def stream_finish(self, index: int, choice: Choice) -> list[str]:
         self.choice = choice
-        if self.tools is not None:
-            out = []
-            for i, item in enumerate(self._calls(choice)):
-                out += [self._event("response.output_item.added", output_index=i,
-                                    item={**item, "arguments": "", "status": "in_progress"}),
-                        self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
-                                    delta=item["arguments"]),
-                        self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                                    name=item["name"], arguments=item["arguments"]),
-                        self._event("response.output_item.done", output_index=i, item=item)]
-            return out
-        text = "".join(choice.text)
+        text = self.content(choice) or ""
+        out = self._text_events(self.unsent(index, choice))
+        if self.tools is None or text:
+            out += self._message_done(text)
+        first = 1 if self.tools is None or text else 0
+        for i, item in enumerate(self._calls(choice), first):
+            out += [self._event("response.output_item.added", output_index=i,
+                                item={**item, "arguments": "", "status": "in_progress"}),
+                    self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
+                                delta=item["arguments"]),
+                    self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                                name=item["name"], arguments=item["arguments"]),
+                    self._event("response.output_item.done", output_index=i, item=item)]
+        return out
+
+    def _message_done(self, text: str) -> list[str]:
         out = [] if self.text_open else self._open_text()
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
         return out + [self._event("response.output_text.done", item_id=self.message_id, output_index=0, content_index=0,

@@ -31,6 +31,7 @@ from verispec.engine.request import RequestRejected
 from verispec.models.tokenizer import encode_chat, encode_prompt
 from verispec.server.protocol import ChatCompletionRequest, CompletionRequest
 from verispec.server.structured import tools_system_note
+from verispec.server.tool_syntax import ToolSyntax, syntax_of
 
 
 class PromptBuilder:
@@ -42,6 +43,7 @@ class PromptBuilder:
         # shorter than the text they decode to: an upper bound on characters per token
         self.longest_token = max(1, max((len(piece) for piece in vocab), default=1))
         self.max_chars = self.longest_token * max_model_len
+        self.tool_syntax = syntax_of(getattr(tokenizer, "chat_template", None))  # tool_choice "auto"'s
 
     def _check_size(self, chars: int, param: str) -> None:
         if chars > self.max_chars:
@@ -49,10 +51,11 @@ class PromptBuilder:
                 f"the prompt is {chars:,} characters, more than this model's context of {self.max_model_len:,} tokens "
                 f"can hold (no token spells more than {self.longest_token} characters); shorten it", param)
 
-    async def chat(self, req: ChatCompletionRequest, with_tools: bool = False) -> list[int]:
+    async def chat(self, req: ChatCompletionRequest, with_tools: bool = False, auto: bool = False) -> list[int]:
         self._check_size(sum(len(m.text()) for m in req.messages) + sum(len(json.dumps(m.tool_calls)) for m in req.messages
                                                                         if m.tool_calls), "messages")
-        return await asyncio.to_thread(chat_prompt, self.tokenizer, req, with_tools)
+        return await asyncio.to_thread(chat_prompt, self.tokenizer, req, with_tools,
+                                       self.tool_syntax if auto else None)
 
     async def completion(self, req: CompletionRequest) -> list[list[int]]:
         prompt = req.prompt
@@ -62,16 +65,20 @@ class PromptBuilder:
         return await asyncio.to_thread(completion_prompts, self.tokenizer, req)
 
 
-def chat_prompt(tokenizer, req: ChatCompletionRequest, with_tools: bool = False) -> list[int]:
+def chat_prompt(tokenizer, req: ChatCompletionRequest, with_tools: bool = False,
+                syntax: ToolSyntax | None = None) -> list[int]:
     """The chat template, rendered once with the generation prompt (it carries BOS).
-    Tools go to templates that take them; other templates get them as a system note."""
-    messages = [chat_message(m) for m in req.messages]
+    Tools go to templates that take them; other templates get them as a system note
+    (under tool_choice "auto", `syntax`: with how to call, and earlier calls written in
+    that syntax)."""
+    own_tools = "tools" in (getattr(tokenizer, "chat_template", None) or "")
+    messages = [chat_message(m, None if own_tools else syntax) for m in req.messages]
     tools = None
     if with_tools:
-        if "tools" in (getattr(tokenizer, "chat_template", None) or ""):
+        if own_tools:
             tools = [t.model_dump() for t in req.tools]
         else:
-            note = tools_system_note(req.tools)
+            note = tools_system_note(req.tools, syntax)
             if messages[0]["role"] == "system":
                 messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + note}
             else:
@@ -82,13 +89,15 @@ def chat_prompt(tokenizer, req: ChatCompletionRequest, with_tools: bool = False)
         raise RequestRejected(f"the chat template refused these messages: {e}", "messages") from None
 
 
-def chat_message(m) -> dict:
+def chat_message(m, syntax: ToolSyntax | None = None) -> dict:
     """A message as templates read it; earlier tool calls stay visible to templates that
-    know nothing of them, as their JSON."""
+    know nothing of them, as their JSON (under "auto", in the call syntax the note taught)."""
     message = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
     if m.tool_calls:
         message["tool_calls"] = m.tool_calls
-        if not message["content"]:
+        if not message["content"] and syntax is not None:
+            message["content"] = syntax.render([c.get("function", c) for c in m.tool_calls])
+        elif not message["content"]:
             message["content"] = json.dumps([c.get("function", c) for c in m.tool_calls], ensure_ascii=False)
     if m.tool_call_id is not None:
         message["tool_call_id"] = m.tool_call_id

@@ -152,6 +152,37 @@ class WireFormat:
     def final(self, choices: list[Choice], usage_block: dict) -> dict:
         raise NotImplementedError
 
+    def visible(self, index: int, text: str) -> str:
+        """Of a streamed delta, what the client may see now as text: all of it without
+        tools; nothing of a forced call; under tool_choice "auto", the text before the call
+        syntax, holding back a tail that could still begin it."""
+        if self.tools is None:
+            return text
+        if not self.tools.auto:
+            return ""
+        seen, sent = self.__dict__.setdefault("_seen", {}), self.__dict__.setdefault("_sent", {})
+        seen[index] = whole = seen.get(index, "") + text
+        content = self.tools.content(whole)
+        safe = len(content) if len(content) < len(whole) else len(whole) - self.tools.syntax.held(whole)
+        start = sent.get(index, 0)
+        sent[index] = max(start, safe)
+        return whole[start:safe]
+
+    def unsent(self, index: int, choice: Choice) -> str:
+        """At a finish under "auto": the text not yet streamed (a held-back tail that did
+        not begin a call)."""
+        if self.tools is None or not self.tools.auto:
+            return ""
+        return self.tools.content("".join(choice.text))[self.__dict__.get("_sent", {}).get(index, 0):]
+
+    def content(self, choice: Choice) -> str | None:
+        """A whole answer's text: all of it without tools, none of a forced call, the text
+        before the calls under "auto" (None when empty and calls were made)."""
+        text = "".join(choice.text)
+        if self.tools is None:
+            return text
+        return (self.tools.content(text) or None) if self.tools.auto else None
+
     def repeats_a_call(self, choice: Choice) -> bool:
         """A tool answer that just repeated one of its calls: the caller ends it there."""
         return self.tools is not None and choice.finish_reason is None and self.tools.repeats("".join(choice.text))
@@ -208,13 +239,19 @@ class ChatFormat(WireFormat):
         return chat_logprobs(self.token_text, tokens) if self.logprobs else None
 
     def delta(self, index: int, text: str, tokens: list[TokenInfo], offset: int) -> dict | None:
-        if self.tools is not None:
-            return None  # a call's JSON is sent whole, once it is complete (finish_chunks)
-        return self._envelope(self.object_chunk, [{"index": index, "delta": {"content": text},
-                                                   "logprobs": self._logprobs(tokens, offset), "finish_reason": None}])
+        shown = self.visible(index, text)  # a call's JSON is sent whole, once complete (finish_chunks)
+        if self.tools is not None and not shown:
+            return None
+        return self._envelope(self.object_chunk, [{"index": index, "delta": {"content": shown},
+                                                   "logprobs": self._logprobs(tokens, offset) if self.tools is None
+                                                   else None, "finish_reason": None}])
 
     def finish_chunks(self, index: int, choice: Choice) -> list[dict]:
         chunks = []
+        rest = self.unsent(index, choice)
+        if rest:
+            chunks.append(self._envelope(self.object_chunk, [{"index": index, "delta": {"content": rest},
+                                                              "logprobs": None, "finish_reason": None}]))
         calls = self.tool_calls(choice)
         if calls:
             delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
@@ -234,7 +271,7 @@ class ChatFormat(WireFormat):
 
     def final_choice(self, index: int, choice: Choice) -> dict:
         calls = self.tool_calls(choice)
-        message = {"role": "assistant", "content": None if self.tools is not None else "".join(choice.text)}
+        message = {"role": "assistant", "content": self.content(choice)}
         if calls:
             message["tool_calls"] = calls
         return {"index": index, "message": message, "logprobs": self._logprobs(choice.tokens, 0),

@@ -8,12 +8,13 @@ Sources (at most one per request, else a 400 naming both):
   `guided_choice` (a list of strings), `guided_grammar` (llguidance's Lark syntax:
   https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md; a grammar with no
   `start:` rule is read as GBNF, llama.cpp's `root ::= ...`);
-* chat `tools` with `tool_choice` "required" (the output is a JSON array of one to
+* chat `tools` with `tool_choice` "auto" (or unset: text, or calls in the model's own
+  `<tool_call>` syntax with each call's arguments constrained: server/tool_syntax.py),
+  "required" (the output is a JSON array of one to
   MAX_PARALLEL_TOOL_CALLS `{"name", "arguments"}` calls, exactly one with
   `parallel_tool_calls: false`, each function's arguments validated by its parameters
   schema; the first exact repeat of a call ends the answer) or `{"type": "function", "function": {"name": ...}}` (the output is that
-  function's arguments). "none" ignores the tools. "auto" is refused: deciding between
-  text and a call needs a parser for the model's own tool-call format.
+  function's arguments). "none" ignores the tools.
 
 The fields themselves are parsed by server/protocol.py; this module gives them meaning.
 The constraint becomes a grammar Constraint, compiled through the shared GrammarCache in a
@@ -35,6 +36,7 @@ from verispec.engine.request import RequestRejected
 from verispec.grammar.cache import DEFAULT_CACHE_BYTES, GrammarCache
 from verispec.grammar.constraint import GrammarError, Constraint
 from verispec.server.protocol import FunctionDef, NamedToolChoice, Tool
+from verispec.server.tool_syntax import ToolSyntax
 
 log = logging.getLogger("verispec.server")
 
@@ -54,7 +56,16 @@ class ToolMode:
     there (`repeats`), without it. A cut-short output (`max_tokens`) keeps its complete
     calls and drops the partial one: never half a call in `content`."""
 
-    named: str | None  # the forced function's name; None: "required" (an array of calls)
+    named: str | None  # the forced function's name; None: "required" (an array of calls) or "auto"
+    syntax: ToolSyntax | None = None  # "auto": text or calls in the model's own syntax (tool_syntax.py)
+
+    @property
+    def auto(self) -> bool:
+        return self.syntax is not None
+
+    def content(self, text: str) -> str:
+        """The part of an output that is text for the user (auto: before the call syntax)."""
+        return self.syntax.split(text)[0] if self.syntax is not None else ""
 
     def complete_calls(self, text: str) -> tuple[list[tuple[str, str]], bool]:
         """(name, arguments JSON) of the calls complete in `text` so far, in order and
@@ -66,7 +77,7 @@ class ToolMode:
                 return [], False
             return [(self.named, text)], False
         calls, seen = [], set()
-        for item in array_items(text):
+        for item in self.syntax.split(text)[1] if self.syntax is not None else array_items(text):
             call = json.loads(item)
             key = json.dumps(call, sort_keys=True)
             if key in seen:
@@ -117,7 +128,7 @@ class AskedConstraint:
 
 
 def constraint(req, tools: list[Tool] | None = None, tool_choice: Any = None,
-               parallel_tool_calls: bool | None = None) -> AskedConstraint | None:
+               parallel_tool_calls: bool | None = None, syntax: ToolSyntax | None = None) -> AskedConstraint | None:
     """The request's constraint, or None; RequestRejected naming the field when two
     sources conflict or one is malformed."""
     found = []
@@ -156,7 +167,7 @@ def constraint(req, tools: list[Tool] | None = None, tool_choice: Any = None,
         if not req.guided_grammar.strip():
             raise RequestRejected("guided_grammar must not be empty", "guided_grammar")
         found.append(AskedConstraint(Constraint.grammar(req.guided_grammar), "guided_grammar"))
-    tool = tool_constraint(tools, tool_choice, parallel_tool_calls is not False)
+    tool = tool_constraint(tools, tool_choice, parallel_tool_calls is not False, syntax)
     if tool is not None:
         found.append(tool)
     if len(found) > 1:
@@ -165,7 +176,8 @@ def constraint(req, tools: list[Tool] | None = None, tool_choice: Any = None,
     return found[0] if found else None
 
 
-def tool_constraint(tools: list[Tool] | None, tool_choice: Any, parallel: bool = True) -> AskedConstraint | None:
+def tool_constraint(tools: list[Tool] | None, tool_choice: Any, parallel: bool = True,
+                    syntax: ToolSyntax | None = None) -> AskedConstraint | None:
     if tool_choice is not None and not tools and tool_choice != "none":
         raise RequestRejected("tool_choice needs tools", "tool_choice")
     if not tools or tool_choice == "none":
@@ -173,14 +185,17 @@ def tool_constraint(tools: list[Tool] | None, tool_choice: Any, parallel: bool =
     by_name = {t.function.name: t.function for t in tools}
     if len(by_name) != len(tools):
         raise RequestRejected("tool function names must be unique", "tools")
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _parameters(f)},
+              "required": ["name", "arguments"], "additionalProperties": False} for name, f in by_name.items()]
     if tool_choice in (None, "auto"):
-        raise RequestRejected(
-            'tool_choice "auto" is not supported: choosing between text and a call needs a parser for this model\'s '
-            'tool-call format; use "required" or name a function ({"type": "function", "function": {"name": ...}})',
-            "tool_choice")
+        if syntax is None:
+            raise RequestRejected(
+                'tool_choice "auto" is not supported for this model: its chat template renders tools in a call '
+                'syntax verispec does not parse yet (it parses <tool_call> blocks); use "required" or name a '
+                'function ({"type": "function", "function": {"name": ...}})', "tool_choice")
+        grammar = syntax.grammar(calls, MAX_PARALLEL_TOOL_CALLS if parallel else 1)
+        return AskedConstraint(Constraint.grammar(grammar), "tools", ToolMode(None, syntax))
     if tool_choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _parameters(f)},
-                  "required": ["name", "arguments"], "additionalProperties": False} for name, f in by_name.items()]
         schema = {"type": "array", "minItems": 1, "maxItems": MAX_PARALLEL_TOOL_CALLS if parallel else 1,
                   "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
         return AskedConstraint(Constraint.json_schema(schema), "tools", ToolMode(None))
@@ -244,8 +259,10 @@ class StructuredOutput:
         return self._cache.stats() if self._cache is not None else None
 
 
-def tools_system_note(tools: list[Tool]) -> str:
-    """For chat templates that know nothing of tools: the functions, in the prompt."""
+def tools_system_note(tools: list[Tool], syntax: ToolSyntax | None = None) -> str:
+    """For chat templates that know nothing of tools: the functions, in the prompt, and
+    under "auto" how to call them."""
     listing = [{"name": t.function.name, "description": t.function.description or "",
                 "parameters": _parameters(t.function)} for t in tools]
-    return "You can call these functions. Answer with the call's arguments as JSON.\n" + json.dumps(listing)
+    how = syntax.note() if syntax is not None else "Answer with the call's arguments as JSON."
+    return f"You can call these functions. {how}\n" + json.dumps(listing)
