@@ -230,7 +230,7 @@ GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
         ({"logit_bias": {"999999": 1}}, 400, "logit_bias"),
         ({"top_logprobs": 3}, 400, "top_logprobs"),
         ({"stream": "yes"}, 400, "stream"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"}, 400, "tool_choice"),
         ({"model": "gpt-4"}, 404, "model"),
         ({"model": None}, 400, "model"),
     ],

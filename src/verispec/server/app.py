@@ -4,6 +4,7 @@
     POST /v1/messages (Anthropic's Messages API: anthropic_messages.py)
     POST /v1/responses, GET and DELETE /v1/responses/{id} (OpenAI's Responses API: openai_responses.py)
     GET /health   GET /metrics (Prometheus text)   GET /stats (JSON)   GET /openapi.json
+    GET / (a browser page: chat with live speculation stats, static/index.html)
 
 A handler checks the key and the body (a JSON `Content-Type`, then protocol.py's
 models), compiles the request's constraint (structured.py) and renders its prompt
@@ -28,12 +29,13 @@ import contextlib
 import logging
 import time
 from collections import Counter
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
 from verispec.engine.engine import Engine
 from verispec.engine.request import FINISH_ABORT, FINISH_ERROR, RequestRejected
@@ -309,6 +311,15 @@ async def models(request: Request):
                                         "owned_by": "verispec", "max_model_len": state.engine.max_model_len}]}
 
 
+PAGE = Path(__file__).with_name("static") / "index.html"
+
+
+async def page(request: Request):
+    """The browser page (static/index.html): no key needed to load it; its API calls send
+    the key the user types."""
+    return HTMLResponse(PAGE.read_text(), headers={"Cache-Control": "no-cache"})
+
+
 async def health(request: Request):
     if not state_of(request).engine.alive:
         return error_response(503, "the engine loop has stopped")
@@ -337,6 +348,7 @@ ROUTE_TABLE = (
     ("/v1/responses/{response_id}", "GET", responses_get, None, "A stored response"),
     ("/v1/responses/{response_id}", "DELETE", responses_delete, None, "Delete a stored response"),
     ("/v1/models", "GET", models, None, "List the served model"),
+    ("/", "GET", page, None, "The browser page: a streaming chat with live speculation and server stats"),
     ("/health", "GET", health, None, "Liveness of the engine loop"),
     ("/stats", "GET", stats, None, "Engine, speculation and grammar-cache state as JSON"),
     ("/metrics", "GET", prometheus, None, "Prometheus metrics"),

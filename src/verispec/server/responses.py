@@ -51,6 +51,8 @@ def merge_speculation(blocks: list[dict]) -> dict:
     for key in ("forced_drafted", "forced_accepted"):
         if any(key in b for b in blocks):
             merged[key] = sum(b.get(key, 0) for b in blocks)
+    if len(blocks) == 1 and "acceptance_by_position" in blocks[0]:  # (choices' ratios do not add up)
+        merged["acceptance_by_position"] = blocks[0]["acceptance_by_position"]
     return merged
 
 
