@@ -73,6 +73,11 @@ def add_serve_args(p) -> None:
     g.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
                    help="what a request that sets no max_tokens may generate (default 2048; also capped by what is left "
                         "of the context and by the KV budget)")
+    g.add_argument("--prefix-cache", type=_size_arg, default=None, metavar="SIZE",
+                   help="KV of finished requests kept for later prompts that start with the same tokens (a chat's next "
+                        "turn): those tokens are not prefilled again (default: a quarter of the KV budget, which it "
+                        "counts against; entries are evicted before a request would wait)")
+    g.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt in full")
     g.add_argument("--max-body-bytes", type=_size_arg, default=None, metavar="SIZE", help="largest request body (default 8MiB)")
     g.add_argument("--grammar-cache", type=_size_arg, default=None, metavar="SIZE",
                    help="structured output: compiled grammars kept for reuse across requests (default 64MiB; the "
@@ -102,6 +107,8 @@ def run_serve(args) -> int:
         torch.set_num_threads(args.threads)
     config = EngineConfig(
         kv_budget=args.kv_budget,
+        prefix_cache=not args.no_prefix_cache,
+        prefix_cache_bytes=args.prefix_cache,
         **{k: v for k, v in (("max_rows", args.max_batch), ("prefill_chunk", args.prefill_chunk),
                              ("max_model_len", args.max_model_len)) if v is not None},
         **engine_options(args),

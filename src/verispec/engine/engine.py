@@ -65,6 +65,7 @@ from verispec.engine.draft_length import DraftLength
 from verispec.engine.step_costs import step_costs_for
 from verispec.engine.verify_schedule import MODES as VERIFY_SCHEDULES, VerifySchedule
 from verispec.engine.drafting import Drafting, speculation_enabled
+from verispec.engine.prefix_cache import PrefixCache
 from verispec.engine.row import Row, RowState
 from verispec.engine.runner import Work
 from verispec.engine.scheduler import Scheduler
@@ -100,6 +101,8 @@ class EngineConfig:
     # how many drafted tokens each row verifies: "cost" (each row's cost policy alone),
     # "strict" / "production" (DSpark's Algorithm 1 across the step: engine/verify_schedule.py)
     verify_schedule: str = "cost"
+    prefix_cache: bool = True  # keep finished rows' KV for later prompts that start the same (prefix_cache.py)
+    prefix_cache_bytes: int | None = None  # its cap; None: a quarter of the KV budget (it counts against it)
 
     def __post_init__(self):
         for name in ("max_rows", "prefill_chunk", "idle_prefill_chunk", "max_waiting", "num_draft_tokens"):
@@ -109,6 +112,8 @@ class EngineConfig:
             raise ValueError(f"num_draft_tokens is at most {MAX_DRAFT_TOKENS}, got {self.num_draft_tokens}")
         if self.kv_budget is not None and self.kv_budget <= 0:
             raise ValueError(f"kv_budget must be positive, got {self.kv_budget}")
+        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must not be negative, got {self.prefix_cache_bytes}")
         if self.verify_schedule not in VERIFY_SCHEDULES and self.verify_schedule != "anticipating":
             raise ValueError(f"verify_schedule is one of {', '.join(VERIFY_SCHEDULES)}, got {self.verify_schedule!r}")
 
@@ -133,8 +138,12 @@ class Engine:
         context = model.args.max_position_embeddings
         self.max_model_len = min(self.config.max_model_len or context, context)
         self.kv_budget = self.config.kv_budget or default_kv_budget(model.device)
+        prefix_bytes = self.config.prefix_cache_bytes
+        self.prefix = PrefixCache(self.cache, self.kv_budget // 4 if prefix_bytes is None else prefix_bytes) \
+            if self.config.prefix_cache and prefix_bytes != 0 else None
         self.scheduler = Scheduler(
-            self.cache, self.kv_budget, self.config.max_rows, self.config.prefill_chunk, self.config.idle_prefill_chunk
+            self.cache, self.kv_budget, self.config.max_rows, self.config.prefill_chunk, self.config.idle_prefill_chunk,
+            self.prefix, self._restore_prefix,
         )
         self.metrics = EngineMetrics()
         self.vocab_size = model.args.vocab_size
@@ -165,6 +174,16 @@ class Engine:
         return Drafting(provider, length, self.config.forced_drafts, schedule)
 
     # -- API (any thread) -----------------------------------------------------------
+
+    def _reads_hidden(self, row: Row) -> bool:
+        """A row whose draft source reads the target's hidden states needs every prompt
+        position computed (the prefix cache holds KV, not features)."""
+        return self.drafting.active and row.request.speculation and bool(self.drafting.taps)
+
+    def _restore_prefix(self, row: Row) -> None:
+        """At admission: the cached KV of the longest block prefix of the prompt."""
+        if self.prefix is not None and not self._reads_hidden(row):
+            row.prefilled = self.prefix.restore(row.kv, row.request.prompt_ids)
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """The most tokens a request with this prompt may ask for: what is left of the
@@ -319,6 +338,8 @@ class Engine:
             "sps_table": None if self.step_costs is None else self.step_costs.table(),
             "forced_drafts": {"enabled": self.config.forced_drafts, "drafted": self.drafting.totals.forced_drafted,
                               "accepted": self.drafting.totals.forced_accepted},
+            "prefill_tokens": m.prefill_tokens,
+            "prefix_cache": self.prefix.stats() if self.prefix is not None else None,
         }
 
     # -- the loop -------------------------------------------------------------------
@@ -340,6 +361,9 @@ class Engine:
         drafting = self.drafting
         for row in plan.admitted:
             drafting.attach(row)
+            if row.prefilled:  # restored from the prefix cache: the source still reads the tokens
+                drafting.prefill(row, row.request.prompt_ids[: row.prefilled], None)
+        self.metrics.prefill_tokens += sum(c.stop - c.start for c in plan.prefill)
         batch_tokens = len(plan.decode) + sum(c.stop - c.start for c in plan.prefill)
         drafts = drafting.drafts(plan.decode, batch_tokens, len(plan.decode) + len(plan.prefill))
         work = [Work.decoding(row, draft) for row, draft in zip(plan.decode, drafts)]
@@ -446,6 +470,8 @@ class Engine:
     def _finish(self, row: Row, reason: str, text: str = "", n_tokens: int = 0, error: str | None = None) -> None:
         if row.state is RowState.FINISHED:
             return
+        if self.prefix is not None and row.kv is not None and row.state is RowState.DECODE and reason != FINISH_ERROR:
+            self.prefix.insert(list(row.request.prompt_ids) + row.output, row.kv)
         self.scheduler.remove(row)
         self._rows.pop(row.id, None)
         self.drafting.detach(row)

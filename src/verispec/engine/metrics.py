@@ -41,6 +41,7 @@ class EngineMetrics:
     requests_finished: Counter = field(default_factory=Counter)  # by finish reason
     requests_rejected: int = 0
     prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed (the prefix cache's hits are not)
     generation_tokens: int = 0
     steps: int = 0
     ttft: Histogram = field(default_factory=Histogram)

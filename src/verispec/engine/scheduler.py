@@ -11,6 +11,10 @@ then spends a prefill token budget on prompts in admission order. The budget is 
 while rows are decoding (a long prompt is cut into chunks interleaved with decode steps,
 so running streams keep flowing) and larger when nothing is decoding (then only time to
 first token matters).
+
+With a prefix cache, its entries count against the same budget: admission evicts them
+(least recently used first) before a row would wait, and an admitted row's prompt is
+looked up there (`on_admit`) before its first prefill chunk is planned.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from verispec.models.kv_cache import KVCache
+from verispec.engine.prefix_cache import PrefixCache
 from verispec.engine.row import Row, RowState
 
 
@@ -44,8 +49,11 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cache: KVCache, kv_budget: int, max_rows: int, prefill_chunk: int, idle_prefill_chunk: int):
+    def __init__(self, cache: KVCache, kv_budget: int, max_rows: int, prefill_chunk: int, idle_prefill_chunk: int,
+                 prefix: PrefixCache | None = None, on_admit=None):
         self.cache = cache
+        self.prefix = prefix  # its bytes count against the budget; evicted before a row waits
+        self.on_admit = on_admit  # called with each admitted row, before its first chunk is planned
         self.kv_budget = kv_budget
         self.max_rows = max_rows
         self.prefill_chunk = prefill_chunk
@@ -61,7 +69,11 @@ class Scheduler:
         admitted = []
         while self.waiting and len(self.running) < self.max_rows:
             row = self.waiting[0]
-            if self.reserved + row.kv_bytes > self.kv_budget:
+            over = self.reserved + self.prefix_bytes + row.kv_bytes - self.kv_budget
+            if over > 0 and self.prefix is not None:
+                self.prefix.evict(over)
+                over = self.reserved + self.prefix_bytes + row.kv_bytes - self.kv_budget
+            if over > 0:
                 break  # first come, first served: wait for memory, let nobody overtake
             self.waiting.popleft()
             row.kv = self.cache.allocate(row.capacity)
@@ -69,6 +81,8 @@ class Scheduler:
             self.reserved += row.kv_bytes
             self.running.append(row)
             admitted.append(row)
+            if self.on_admit is not None:
+                self.on_admit(row)
         return admitted
 
     def plan(self) -> StepPlan:
@@ -99,6 +113,10 @@ class Scheduler:
             self.cache.release(row.kv)
             row.kv = None
         row.state = RowState.FINISHED
+
+    @property
+    def prefix_bytes(self) -> int:
+        return self.prefix.bytes if self.prefix is not None else 0
 
     @property
     def queue_depth(self) -> int:

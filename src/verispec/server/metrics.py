@@ -55,6 +55,16 @@ def render(engine: Engine, http_requests: Counter, grammar_cache: dict | None = 
     w.metric("verispec_kv_bytes_in_use", "gauge", "Bytes of KV cache held by running requests.",
              [({}, stats["kv_bytes_in_use"])])
     w.metric("verispec_kv_budget_bytes", "gauge", "KV cache budget for admission.", [({}, stats["kv_budget_bytes"])])
+    w.metric("verispec_prefill_tokens_total", "counter", "Prompt tokens computed (prefix-cache hits are not).",
+             [({}, m.prefill_tokens)])
+    prefix = stats.get("prefix_cache")
+    if prefix is not None:
+        w.metric("verispec_prefix_cache_bytes", "gauge", "Bytes held by the prefix cache (within the KV budget).",
+                 [({}, prefix["bytes"])])
+        w.metric("verispec_prefix_cache_hit_tokens_total", "counter", "Prompt tokens restored from the prefix cache.",
+                 [({}, prefix["hit_tokens"])])
+        w.metric("verispec_prefix_cache_hit_rate", "gauge", "Restored prompt tokens / prompt tokens looked up.",
+                 [({}, prefix["hit_rate"])])
     w.histogram("verispec_time_to_first_token_seconds", "Arrival to first generated token.", m.ttft)
     w.histogram("verispec_inter_token_latency_seconds", "Time between a request's consecutive tokens.", m.inter_token)
     w.histogram("verispec_e2e_request_latency_seconds", "Arrival to finish.", m.e2e)
