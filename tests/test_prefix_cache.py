@@ -100,6 +100,19 @@ def test_staggered_rows_with_a_shared_prefix_speculation_and_evictions(tiny):
     assert engine.drafting.totals.rounds > 0  # speculation ran (and rolled back) on restored rows
 
 
+def test_the_choices_of_one_prompt_prefill_it_once(tiny):
+    reference, model = tiny
+    prompt = _prompt(40, 6)
+    engine = _engine(model)
+    outs = _run(engine, [prompt] * 3, [10, 10, 10])  # submitted together, as the server does for n = 3
+    assert outs == [reference_greedy(reference, prompt, 10)] * 3
+    # the first computes all 40 tokens, the others only what follows the last whole block
+    # of the first 39 (32 restored): 40 + 2 x 8, where three full prefills were 120
+    assert engine.metrics.prefill_tokens == 40 + 2 * 8
+    off = _engine(model, prefix_cache=False)
+    assert _run(off, [prompt] * 3, [10, 10, 10]) == outs and off.metrics.prefill_tokens == 120
+
+
 def test_a_row_that_needs_the_memory_evicts_the_cache_instead_of_waiting(tiny):
     _, model = tiny
     cache = model.new_cache()

@@ -92,14 +92,32 @@ def test_the_parser_gives_back_the_text_and_calls_it_was_built_from(name):
     assert syntax.held("text <tool_") == len("<tool_") and syntax.held("text <b>") == 0
 
 
+def test_llama3s_call_is_the_whole_answer_or_there_is_none(backend):
+    syntax = ToolSyntax("llama3")
+    asked = tool_constraint(TOOLS, "auto", syntax=syntax)
+    call = '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "celsius"}}'
+    assert feed(backend, asked, call) == (True, True)
+    assert feed(backend, asked, "Rome is sunny {not a call}.") == (True, True)  # text: it does not start with {
+    assert not feed(backend, asked, call.replace("celsius", "kelvin"))[0]
+    assert not feed(backend, asked, '{"name": "get_time", "parameters": {}}')[0]  # not among the tools
+    assert not feed(backend, asked, call + " and more")[0]
+    mode = ToolMode(None, syntax)
+    assert [(n, json.loads(a)) for n, a in mode.complete_calls(call)[0]] == [("get_weather", {"city": "Rome",
+                                                                                            "unit": "celsius"})]
+    assert mode.content(call) == "" and mode.content("plain") == "plain"
+    assert syntax.render([{"name": "get_weather", "arguments": '{"city": "Rome", "unit": "celsius"}'}]) == call
+
+
 def test_the_template_says_which_syntax_and_others_are_refused_with_a_reason():
     assert syntax_of("{{ messages }}") == ToolSyntax("array")  # no tools in the template: the system note's
     assert syntax_of("{% if tools %}<tools>{{ tools }}</tools> reply in <tool_call></tool_call>{% endif %}") == \
         ToolSyntax("hermes")
-    llama3 = '{% if tools %}Respond in the format {"name": function name, "parameters": ...}{% endif %}'
-    assert syntax_of(llama3) is None
+    llama3 = '{% if tools %}Respond in the format {"name": function name, "parameters": dictionary}{% endif %}'
+    assert syntax_of(llama3) == ToolSyntax("llama3")
+    other = "{% if tools %}Call with <function=name>{args}</function>{% endif %}"
+    assert syntax_of(other) is None
     with pytest.raises(RequestRejected, match="not supported for this model"):
-        tool_constraint(TOOLS, "auto", syntax=syntax_of(llama3))
+        tool_constraint(TOOLS, "auto", syntax=syntax_of(other))
 
 
 @pytest.fixture(scope="module")

@@ -143,7 +143,7 @@ class Engine:
             if self.config.prefix_cache and prefix_bytes != 0 else None
         self.scheduler = Scheduler(
             self.cache, self.kv_budget, self.config.max_rows, self.config.prefill_chunk, self.config.idle_prefill_chunk,
-            self.prefix, self._restore_prefix,
+            self.prefix, self._restore_prefix if self.prefix is not None else None,
         )
         self.metrics = EngineMetrics()
         self.vocab_size = model.args.vocab_size
@@ -181,9 +181,10 @@ class Engine:
         return self.drafting.active and row.request.speculation and bool(self.drafting.taps)
 
     def _restore_prefix(self, row: Row) -> None:
-        """At admission: the cached KV of the longest block prefix of the prompt."""
-        if self.prefix is not None and not self._reads_hidden(row):
-            row.prefilled = self.prefix.restore(row.kv, row.request.prompt_ids)
+        """Before a row's first prefill chunk: the cached KV of the longest block prefix of
+        its prompt."""
+        if row.reads_prefix_cache:
+            row.prefilled = row.restored = self.prefix.restore(row.kv, row.request.prompt_ids)
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """The most tokens a request with this prompt may ask for: what is left of the
@@ -256,6 +257,7 @@ class Engine:
             raise RequestRejected("the engine is shutting down", None, 503)
         kv_bytes = self.check(request)
         row = Row(request, sink, self.tokenizer, kv_bytes)
+        row.reads_prefix_cache = self.prefix is not None and not self._reads_hidden(row)
         with self._count_lock:
             self._pending_submits += 1
         self._inbox.put(("submit", row))
@@ -361,8 +363,10 @@ class Engine:
         drafting = self.drafting
         for row in plan.admitted:
             drafting.attach(row)
-            if row.prefilled:  # restored from the prefix cache: the source still reads the tokens
-                drafting.prefill(row, row.request.prompt_ids[: row.prefilled], None)
+        for chunk in plan.prefill:
+            if chunk.row.restored:  # restored from the prefix cache: the source still reads the tokens
+                drafting.prefill(chunk.row, chunk.row.request.prompt_ids[: chunk.row.restored], None)
+                chunk.row.restored = 0
         self.metrics.prefill_tokens += sum(c.stop - c.start for c in plan.prefill)
         batch_tokens = len(plan.decode) + sum(c.stop - c.start for c in plan.prefill)
         drafts = drafting.drafts(plan.decode, batch_tokens, len(plan.decode) + len(plan.prefill))
@@ -375,6 +379,8 @@ class Engine:
                 item.row.prefilled = item.chunk.stop
                 if item.chunk.completes_prompt:
                     item.row.state = RowState.DECODE
+                    if self.prefix is not None and self.scheduler.waits_on(item.row):  # n > 1: the twins reuse it
+                        self.prefix.insert(item.row.request.prompt_ids, item.row.kv)
                 drafting.prefill(item.row, item.tokens, item.hidden)
         emitting = [w for w in done if w.emits and w.row.state is not RowState.FINISHED]
         for item, infos in (runner.decide(emitting, self._fail) if emitting else []):

@@ -36,6 +36,9 @@ class Row:
         self.kv: SequenceKV | None = None
         self.state = RowState.WAITING
         self.prefilled = 0  # prompt tokens already in the cache
+        self.looked_up = False  # the prefix cache was asked for this prompt (engine/scheduler.py)
+        self.reads_prefix_cache = False  # set at submit: a cache, and no drafter reading hidden states
+        self.restored = 0  # prompt tokens restored from the prefix cache, not yet handed to the draft source
         self.output: list[int] = []
         self.pending: int | None = None
         self.unreleased: list[TokenInfo] = []  # emitted tokens whose text is still held back

@@ -13,8 +13,10 @@ so running streams keep flowing) and larger when nothing is decoding (then only 
 first token matters).
 
 With a prefix cache, its entries count against the same budget: admission evicts them
-(least recently used first) before a row would wait, and an admitted row's prompt is
-looked up there (`on_admit`) before its first prefill chunk is planned.
+(least recently used first) before a row would wait, and a row's prompt is looked up
+there (`on_first_chunk`) right before its first prefill chunk is planned. A row whose
+prompt another running row is prefilling right now waits for it (the engine then puts
+that prompt's KV into the cache), so the `n` choices of a request prefill it once.
 """
 
 from __future__ import annotations
@@ -50,10 +52,12 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, cache: KVCache, kv_budget: int, max_rows: int, prefill_chunk: int, idle_prefill_chunk: int,
-                 prefix: PrefixCache | None = None, on_admit=None):
+                 prefix: PrefixCache | None = None, on_first_chunk=None):
         self.cache = cache
         self.prefix = prefix  # its bytes count against the budget; evicted before a row waits
-        self.on_admit = on_admit  # called with each admitted row, before its first chunk is planned
+        # called with a row right before its first prefill chunk is planned (the prefix
+        # cache's lookup); returns False for rows that never read the cache
+        self.on_first_chunk = on_first_chunk
         self.kv_budget = kv_budget
         self.max_rows = max_rows
         self.prefill_chunk = prefill_chunk
@@ -81,8 +85,6 @@ class Scheduler:
             self.reserved += row.kv_bytes
             self.running.append(row)
             admitted.append(row)
-            if self.on_admit is not None:
-                self.on_admit(row)
         return admitted
 
     def plan(self) -> StepPlan:
@@ -94,10 +96,30 @@ class Scheduler:
             if budget <= 0:
                 break
             if row.state is RowState.PREFILL:
+                if not row.looked_up and self.on_first_chunk is not None:
+                    if self._same_prompt_prefilling(row):
+                        continue  # its twin's prompt KV will be in the prefix cache: wait for it
+                    row.looked_up = True
+                    self.on_first_chunk(row)
                 n = min(row.remaining_prompt, budget)
                 prefill.append(PrefillChunk(row, row.prefilled, row.prefilled + n))
                 budget -= n
         return StepPlan(decode, prefill, admitted)
+
+    def _same_prompt_prefilling(self, row: Row) -> bool:
+        """Another running row with this prompt is still prefilling it (the choices of an
+        `n > 1` request, or users sending the same prompt at once)."""
+        if not row.reads_prefix_cache:
+            return False
+        prompt = row.request.prompt_ids
+        return any(other is not row and other.state is RowState.PREFILL and other.looked_up
+                   and other.reads_prefix_cache and other.request.prompt_ids == prompt for other in self.running)
+
+    def waits_on(self, row: Row) -> bool:
+        """Rows are waiting to reuse this row's prompt KV."""
+        prompt = row.request.prompt_ids
+        return any(other is not row and other.state is RowState.PREFILL and not other.looked_up
+                   and other.reads_prefix_cache and other.request.prompt_ids == prompt for other in self.running)
 
     def remove(self, row: Row) -> None:
         """Take a finished or cancelled row out and free its KV at once."""

@@ -83,7 +83,8 @@ class ToolMode:
             if key in seen:
                 return calls, True
             seen.add(key)
-            calls.append((call["name"], json.dumps(call["arguments"], ensure_ascii=False)))
+            arguments = call["arguments"] if "arguments" in call else call.get("parameters", {})
+            calls.append((call["name"], json.dumps(arguments, ensure_ascii=False)))
         return calls, False
 
     def repeats(self, text: str) -> bool:
@@ -193,7 +194,8 @@ def tool_constraint(tools: list[Tool] | None, tool_choice: Any, parallel: bool =
                 'tool_choice "auto" is not supported for this model: its chat template renders tools in a call '
                 'syntax verispec does not parse yet (it parses <tool_call> blocks); use "required" or name a '
                 'function ({"type": "function", "function": {"name": ...}})', "tool_choice")
-        grammar = syntax.grammar(calls, MAX_PARALLEL_TOOL_CALLS if parallel else 1)
+        grammar = syntax.grammar({name: _parameters(f) for name, f in by_name.items()},
+                                 MAX_PARALLEL_TOOL_CALLS if parallel else 1)
         return AskedConstraint(Constraint.grammar(grammar), "tools", ToolMode(None, syntax))
     if tool_choice == "required":
         schema = {"type": "array", "minItems": 1, "maxItems": MAX_PARALLEL_TOOL_CALLS if parallel else 1,

@@ -16,10 +16,14 @@ what the chat template says:
   tools): `<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>`;
 * "hermes" (Qwen 2.5 / 3, Hermes: templates that render `tools` and mention
   `<tool_call>`): one `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` block
-  per call, blocks one after another.
+  per call, blocks one after another;
+* "llama3" (Llama 3.1+: templates that ask for `{"name": ..., "parameters": ...}`): the
+  whole answer is one call object, or text that does not start with `{` (the grammar is
+  `start: TEXT | call` without a trigger string).
 
-Other templates that render tools themselves (Llama 3's JSON, Gemma's code blocks) get a
-400 for "auto" naming the reason. Checked by tests/test_tool_auto.py: the grammar accepts
+Gemma 3's template knows nothing of tools: it gets the system note and "array". Other
+templates that render tools in a syntax none of these is get a 400 for "auto" naming the
+reason. Checked by tests/test_tool_auto.py: the grammar accepts
 text and valid calls and refuses invalid ones (token by token through the real
 tokenizer), the parser against the texts that built them, and live: a plain answer under
 "auto" is the unconstrained answer to the same prompt, every emitted call validates.
@@ -35,10 +39,20 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 @dataclass(frozen=True)
 class ToolSyntax:
-    name: str  # "array" | "hermes"
+    name: str  # "array" | "hermes" | "llama3"
 
-    def grammar(self, call_schemas: list[dict], max_calls: int) -> str:
+    @property
+    def arguments_key(self) -> str:
+        return "parameters" if self.name == "llama3" else "arguments"
+
+    def grammar(self, functions: dict[str, dict], max_calls: int) -> str:
+        """The grammar for functions {name: parameters schema}, at most `max_calls` calls."""
+        call_schemas = [{"type": "object", "properties": {"name": {"const": name}, self.arguments_key: params},
+                         "required": ["name", self.arguments_key], "additionalProperties": False}
+                        for name, params in functions.items()]
         one = call_schemas[0] if len(call_schemas) == 1 else {"anyOf": call_schemas}
+        if self.name == "llama3":  # the whole answer is one call object, or text not starting with "{"
+            return "\n".join(["start: TEXT | call", f"call: %json {json.dumps(one)}", "TEXT: /(?s:[^{].*)?/"])
         head = ['TEXT: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/',
                 'PRE: /(?s:.*)<tool_call>/ & ~/(?s:.*)<tool_call>(?s:.+)/']
         if self.name == "array":
@@ -65,6 +79,8 @@ class ToolSyntax:
             return {"name": f.get("name"), "arguments": arguments}
 
         calls = [call(f) for f in functions]
+        if self.name == "llama3":
+            return json.dumps({"name": calls[0]["name"], "parameters": calls[0]["arguments"]}, ensure_ascii=False)
         if self.name == "array":
             return f"{OPEN}{json.dumps(calls, ensure_ascii=False)}{CLOSE}"
         return "\n".join(f"{OPEN}\n{json.dumps(c, ensure_ascii=False)}\n{CLOSE}" for c in calls)
@@ -72,6 +88,14 @@ class ToolSyntax:
     def split(self, text: str) -> tuple[str, list[str]]:
         """(the text before the first OPEN, the JSON of each complete call after it). A
         call cut short (max_tokens) is left out."""
+        if self.name == "llama3":
+            if not text.startswith("{"):
+                return text, []
+            try:
+                json.loads(text)
+            except ValueError:
+                return "", []
+            return "", [text]
         at = text.find(OPEN)
         if at < 0:
             return text, []
@@ -90,6 +114,8 @@ class ToolSyntax:
     def held(self, text: str) -> int:
         """How many trailing characters of a text without OPEN could still begin it (a
         stream holds them back until it knows)."""
+        if self.name == "llama3":
+            return 0  # decided by the first character
         for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
             if text.endswith(OPEN[:n]):
                 return n
@@ -103,4 +129,6 @@ def syntax_of(chat_template: str | None) -> ToolSyntax | None:
         return ToolSyntax("array")  # tools go in a system note that teaches this syntax
     if OPEN in template:
         return ToolSyntax("hermes")
+    if '"parameters"' in template or "<|python_tag|>" in template:
+        return ToolSyntax("llama3")
     return None
