@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import httpx
 
 from verispec.bench.loadgen import quantile
 from verispec.data.sharegpt import conversations
+from verispec.models.kernel_plan import cpu_name
 from verispec.server.launch import live_server
 
 
@@ -119,13 +119,7 @@ def main() -> None:
     rows = [run_arm("cache on", [], args, convs, log_dir), run_arm("cache off", ["--no-prefix-cache"], args, convs,
                                                                    log_dir)]
     on, off = rows
-    cpu = platform.processor() or "cpu"
-    try:
-        from verispec.models.kernel_plan import cpu_name
-
-        cpu = cpu_name()
-    except Exception:  # noqa: BLE001
-        pass
+    cpu = cpu_name()
     print(f"{args.model}: {args.users} users x {args.turns} ShareGPT turns (<= {args.max_chars} chars), "
           f"max_tokens {args.max_tokens}, greedy, on {cpu}")
     print(f"{'arm':<10} {'TTFT turn1':>10} {'TTFT later p50':>14} {'p95':>7} {'prompt tok':>10} {'computed':>9} "

@@ -34,11 +34,12 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from verispec.engine.request import RequestRejected
-from verispec.server.protocol import FUNCTION_NAME, MAX_STOP_STRINGS, ChatCompletionRequest, parse_body
+from verispec.server.protocol import FUNCTION_NAME, MAX_STOP_STRINGS, ChatCompletionRequest, StrictBody, parse_body
 from verispec.server.responses import Choice, WireFormat, new_id
+from verispec.server.streaming import sse_event
 
 ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                          404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
@@ -50,23 +51,19 @@ def anthropic_error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TextBlock(_Strict):
+class TextBlock(StrictBody):
     type: Literal["text"]
     text: str
 
 
-class ToolUseBlock(_Strict):
+class ToolUseBlock(StrictBody):
     type: Literal["tool_use"]
     id: str
     name: str
     input: dict
 
 
-class ToolResultBlock(_Strict):
+class ToolResultBlock(StrictBody):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] | None = None
@@ -79,7 +76,7 @@ class ToolResultBlock(_Strict):
         return f"Error: {body}" if self.is_error else body
 
 
-class UnsupportedBlock(_Strict):
+class UnsupportedBlock(StrictBody):
     type: Literal["image", "document", "thinking", "redacted_thinking", "search_result", "server_tool_use",
                   "web_search_tool_result", "container_upload"]
 
@@ -87,25 +84,25 @@ class UnsupportedBlock(_Strict):
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | UnsupportedBlock, Field(discriminator="type")]
 
 
-class Message(_Strict):
+class Message(StrictBody):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class AnthropicTool(_Strict):
+class AnthropicTool(StrictBody):
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: str | None = None
     input_schema: dict
     type: str | None = None  # "custom" (or absent); server tools are refused
 
 
-class ToolChoice(_Strict):
+class ToolChoice(StrictBody):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class MessagesRequest(_Strict):
+class MessagesRequest(StrictBody):
     model: str
     max_tokens: Annotated[int, Field(ge=1)]
     messages: Annotated[list[Message], Field(min_length=1)]
@@ -215,10 +212,6 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
         raise RequestRejected(f"the request cannot be served: {e.errors(include_url=False)[0]['msg']}", None) from None
 
 
-def _sse(event: dict) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
 class MessagesFormat(WireFormat):
     """Anthropic message bodies and stream events (one choice: the API has no `n`)."""
 
@@ -250,7 +243,7 @@ class MessagesFormat(WireFormat):
     def stream_start(self, n: int) -> list[str]:
         message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                    "stop_reason": None, "stop_sequence": None, "usage": self._usage(0, None)}
-        return [_sse({"type": "message_start", "message": message})]
+        return [sse_event({"type": "message_start", "message": message})]
 
     def _text_events(self, text: str) -> list[str]:
         if not text:
@@ -258,9 +251,9 @@ class MessagesFormat(WireFormat):
         out = []
         if not self.text_open:
             self.text_open = True
-            out.append(_sse({"type": "content_block_start", "index": self.blocks,
+            out.append(sse_event({"type": "content_block_start", "index": self.blocks,
                              "content_block": {"type": "text", "text": ""}}))
-        out.append(_sse({"type": "content_block_delta", "index": self.blocks,
+        out.append(sse_event({"type": "content_block_delta", "index": self.blocks,
                          "delta": {"type": "text_delta", "text": text}}))
         return out
 
@@ -270,28 +263,28 @@ class MessagesFormat(WireFormat):
     def stream_finish(self, index: int, choice: Choice) -> list[str]:
         out = self._text_events(self.unsent(index, choice))
         if self.text_open:
-            out.append(_sse({"type": "content_block_stop", "index": self.blocks}))
+            out.append(sse_event({"type": "content_block_stop", "index": self.blocks}))
             self.blocks += 1
             self.text_open = False
         calls = self.tool_calls(choice)
         for block in self._tool_blocks(calls):
-            out.append(_sse({"type": "content_block_start", "index": self.blocks,
+            out.append(sse_event({"type": "content_block_start", "index": self.blocks,
                              "content_block": {**block, "input": {}}}))
-            out.append(_sse({"type": "content_block_delta", "index": self.blocks,
+            out.append(sse_event({"type": "content_block_delta", "index": self.blocks,
                              "delta": {"type": "input_json_delta",
                                        "partial_json": json.dumps(block["input"], ensure_ascii=False)}}))
-            out.append(_sse({"type": "content_block_stop", "index": self.blocks}))
+            out.append(sse_event({"type": "content_block_stop", "index": self.blocks}))
             self.blocks += 1
         reason, sequence = self._stop(choice, calls)
-        out.append(_sse({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+        out.append(sse_event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                          "usage": self._usage(choice.completion_tokens, choice.speculation)}))
         return out
 
     def stream_end(self, usage_block: dict) -> list[str]:
-        return [_sse({"type": "message_stop"})]
+        return [sse_event({"type": "message_stop"})]
 
     def stream_error(self, status: int, message: str) -> list[str]:
-        return [_sse(anthropic_error_body(status, message))]
+        return [sse_event(anthropic_error_body(status, message))]
 
     def final(self, choices: list[Choice], usage_block: dict) -> dict:
         choice = choices[0]

@@ -43,33 +43,30 @@ import time
 from collections import OrderedDict
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
+from pydantic import Discriminator, Field, Tag, ValidationError
 
 from verispec.engine.request import RequestRejected
-from verispec.server.protocol import FUNCTION_NAME, ChatCompletionRequest, parse_body
+from verispec.server.protocol import FUNCTION_NAME, ChatCompletionRequest, StrictBody, parse_body
 from verispec.server.responses import Choice, WireFormat, new_id
+from verispec.server.streaming import sse_event
 
 MAX_STORED = 1024  # responses kept for previous_response_id and GET
 MAX_STORED_BYTES = 64 * 2**20
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TextPart(_Strict):
+class TextPart(StrictBody):
     type: Literal["input_text", "output_text", "text"]
     text: str
 
 
-class UnsupportedPart(_Strict):
+class UnsupportedPart(StrictBody):
     type: Literal["input_image", "input_file", "input_audio", "refusal"]
 
 
 Part = Annotated[TextPart | UnsupportedPart, Field(discriminator="type")]
 
 
-class MessageItem(_Strict):
+class MessageItem(StrictBody):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[Part]
@@ -79,14 +76,14 @@ class MessageItem(_Strict):
             p.text for p in self.content if isinstance(p, TextPart))
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(StrictBody):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(StrictBody):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[TextPart]
@@ -103,7 +100,7 @@ Item = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCall
                  | Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(_item_kind)]
 
 
-class FunctionTool(_Strict):
+class FunctionTool(StrictBody):
     type: Literal["function"]
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: str | None = None
@@ -111,7 +108,7 @@ class FunctionTool(_Strict):
     strict: bool | None = None
 
 
-class TextFormat(_Strict):
+class TextFormat(StrictBody):
     type: Literal["text", "json_object", "json_schema"]
     name: Annotated[str, Field(pattern=FUNCTION_NAME)] | None = None
     schema_: dict | None = Field(None, alias="schema")
@@ -119,11 +116,11 @@ class TextFormat(_Strict):
     description: str | None = None
 
 
-class TextConfig(_Strict):
+class TextConfig(StrictBody):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(StrictBody):
     model: str
     input: str | Annotated[list[Item], Field(min_length=1)]
     instructions: str | None = None
@@ -264,10 +261,6 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> tuple[ChatCompletionR
         raise RequestRejected(f"the request cannot be served: {e.errors(include_url=False)[0]['msg']}", None) from None
 
 
-def _sse(event: dict) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
 class ResponsesFormat(WireFormat):
     """Response objects and their stream events (one choice: the API has no `n`). The
     finished response goes to `store(body, conversation)` unless the request said
@@ -344,7 +337,7 @@ class ResponsesFormat(WireFormat):
     def _event(self, kind: str, **fields) -> str:
         event = {"type": kind, **fields, "sequence_number": self.sequence}
         self.sequence += 1
-        return _sse(event)
+        return sse_event(event)
 
     def stream_start(self, n: int) -> list[str]:
         snapshot = self._envelope("in_progress", [], None)

@@ -29,20 +29,22 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 
 
-class _Strict(BaseModel):
+class StrictBody(BaseModel):
+    """A request body (or part of one): JSON types as documented, unknown fields ignored."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class TextPart(_Strict):
+class TextPart(StrictBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -60,40 +62,40 @@ class ChatMessage(_Strict):
 # -- structured output (response_format, vLLM's guided_*, tools) ------------------------------
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictBody):
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     schema_: dict | bool | None = Field(None, alias="schema")
     strict: bool | None = None
     description: str | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class FunctionDef(_Strict):
+class FunctionDef(StrictBody):
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
 
 
-class Tool(_Strict):
+class Tool(StrictBody):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Strict):
+class NamedFunction(StrictBody):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictBody):
     type: Literal["function"]
     function: NamedFunction
 
 
-class GuidedFields(_Strict):
+class GuidedFields(StrictBody):
     """The structured-output fields both endpoints accept (server/structured.py turns
     them into a grammar)."""
 

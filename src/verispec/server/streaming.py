@@ -22,6 +22,11 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def sse_event(payload: dict) -> str:
+    """An event named by its own `type` (Anthropic's and the Responses API's streams)."""
+    return f"event: {payload['type']}\n" + sse(payload)
+
+
 class EngineStream:
     def __init__(self, engine: Engine, requests: list[GenerationRequest]):
         self.engine = engine
