@@ -1,8 +1,11 @@
 """What one DSpark round costs on this machine, against one plain target decode step.
 
-Target: SmolLM2-135M-Instruct (bf16 by default, 2 threads). Drafters: untrained, random
-weights, of the shapes we can train for it (issue #6); the default row is the shape
-`verispec dspark train` uses by default. A round is split into
+Target: SmolLM2-135M-Instruct (bf16 by default, 2 threads), or any model folder with --model
+(a tiny Gemma 4 target: `--model tests/fixtures/deepspec-gemma4-tiny/target`, where the drafters
+take DeepSeek's Gemma4 shape: global head size, one K = V head, v-norm, layer scalars). Drafters:
+untrained, random weights, of the shapes we can train for it (issue #6); the default row is the
+shape `verispec dspark train` uses by default (for a small-vocabulary target: full vocabulary,
+rank 16, one and two layers, the DeepSpec oracle's shape the default). A round is split into
   backbone     one pass over the new context rows (3 per round, a typical accepted
                length + 1) and the block [anchor, MASK x (gamma - 1)]: fc + hidden_norm,
                the draft layers, the final norm
@@ -15,7 +18,7 @@ all. Every cost is a fraction of one plain decode step of the target (best of N 
 same process). The drafting side (round) must be <= 25% of a step at gamma 7 for a
 trained drafter to pay on this CPU.
 
-    .venv/bin/python bench/dspark_cost.py [--dtype bfloat16] [--gamma 7] [--repeats 30]
+    .venv/bin/python bench/dspark_cost.py [--dtype bfloat16] [--gamma 7] [--repeats 30] [--model M]
 """
 
 from __future__ import annotations
@@ -35,6 +38,14 @@ SHAPES = [
     {"layers": 2, "rank": 128, "draft_vocab": 49152},
 ]
 TAPS = [1, 8, 15, 22, 28]  # SmolLM2's 30 layers, DeepSpec's spacing, never the last
+SMALL_VOCAB_SHAPES = [{"layers": 1, "rank": 16, "draft_vocab": None}, {"layers": 2, "rank": 16, "draft_vocab": None}]
+
+
+def taps_for(num_layers: int) -> list[int]:
+    """Up to five target layers spread like DeepSpec's, never the last."""
+    if num_layers == 30:
+        return TAPS
+    return sorted({round(i * (num_layers - 2) / 4) for i in range(5)})
 
 
 def best_time(fn, repeats: int) -> float:
@@ -47,15 +58,15 @@ def best_time(fn, repeats: int) -> float:
     return best
 
 
-def build(loaded, shape: dict, gamma: int, dtype):
+def build(loaded, shape: dict, gamma: int, dtype, taps: list[int]):
     from verispec.models.loader import read_config
     from verispec.drafting.dspark.config import DSparkConfig
     from verispec.drafting.dspark.model import DSparkDrafter
 
     vocab = loaded.model.args.vocab_size
-    subset = shape["draft_vocab"] if shape["draft_vocab"] < vocab else None
+    subset = shape["draft_vocab"] if shape["draft_vocab"] and shape["draft_vocab"] < vocab else None
     config = DSparkConfig.from_target(
-        read_config(loaded.folder), num_draft_layers=shape["layers"], block_size=gamma, target_layer_ids=TAPS,
+        read_config(loaded.folder), num_draft_layers=shape["layers"], block_size=gamma, target_layer_ids=taps,
         mask_token_id=0, markov_rank=shape["rank"], draft_vocab_size=subset)
     torch.manual_seed(0)
     return DSparkDrafter(config).to(dtype).prepare_for_inference()
@@ -130,6 +141,7 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=7)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="the target: a name -m accepts")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -137,8 +149,11 @@ def main() -> None:
     from verispec.models.loader import load_model
 
     dtype = getattr(torch, args.dtype)
-    loaded = load_model("smollm2-135m-instruct", dtype=dtype)
+    loaded = load_model(args.model, dtype=dtype)
     model = loaded.model
+    taps = taps_for(model.args.num_layers)
+    small = model.args.vocab_size <= min(shape["draft_vocab"] for shape in SHAPES)
+    shapes, default_shape = (SMALL_VOCAB_SHAPES, SMALL_VOCAB_SHAPES[1]) if small else (SHAPES, DEFAULT_SHAPE)
     seq = model.new_cache().allocate(1024)
     ids = torch.randint(0, model.args.vocab_size, (300,))
     with torch.inference_mode():
@@ -146,7 +161,7 @@ def main() -> None:
 
         def step(n):
             def run():
-                model(ids[200 : 200 + n], BatchKV([seq], [n]), logits_at=torch.arange(n), taps=TAPS)
+                model(ids[200 : 200 + n], BatchKV([seq], [n]), logits_at=torch.arange(n), taps=taps)
                 seq.rollback(n)
             return run
 
@@ -154,13 +169,17 @@ def main() -> None:
         verify_s = best_time(step(args.gamma + 1), args.repeats)
 
     rows = []
-    for shape in SHAPES:
-        drafter = build(loaded, shape, args.gamma, dtype)
+    for shape in shapes:
+        drafter = build(loaded, shape, args.gamma, dtype, taps)
         fractions = measure(loaded, drafter, args.repeats, step_s, verify_s)
-        rows.append({**shape, "default": shape == DEFAULT_SHAPE, "trainable_mb": round(trainable_mb(drafter), 1),
-                     **{k: round(v, 3) for k, v in fractions.items()}})
+        rows.append({**shape, "draft_vocab": shape["draft_vocab"] or model.args.vocab_size,
+                     "default": shape == default_shape, "trainable_mb": round(trainable_mb(drafter), 1),
+                     "architecture": drafter.config.architecture, **{k: round(v, 3) for k, v in fractions.items()}})
 
-    print(f"\nSmolLM2-135M-Instruct {args.dtype}, gamma {args.gamma}, {args.threads} threads; one plain decode step "
+    from verispec.models.kernel_plan import cpu_name
+
+    print(f"\n{args.model} ({rows[0]['architecture']} drafters) {args.dtype}, gamma {args.gamma}, {args.threads} threads, "
+          f"{cpu_name()}; one plain decode step "
           f"= {step_s * 1000:.2f} ms; verify of {args.gamma + 1} tokens = {verify_s / step_s:.2f} steps")
     print(f"{'layers':>6}{'rank':>6}{'draft vocab':>12}{'MB':>7}{'backbone':>10}{'base head':>10}{'sequential':>11}"
           f"{'confidence':>11}{'round':>8}{'verify+':>9}")
@@ -170,8 +189,14 @@ def main() -> None:
               f"{r['base_head']:>10.0%}{r['sequential']:>11.0%}{r['confidence']:>11.0%}{r['round']:>8.0%}"
               f"{r['verify_extra']:>9.0%}{mark}")
     default = next(r for r in rows if r["default"])
-    print(f"drafting side (round) of the default shape: {default['round']:.0%} of a target step (target <= 25%)")
-    print(json.dumps({"bench": "dspark_cost", "dtype": args.dtype, "gamma": args.gamma, "threads": args.threads,
+    if args.model == "smollm2-135m-instruct":
+        print(f"drafting side (round) of the default shape: {default['round']:.0%} of a target step (target <= 25%)")
+    else:
+        per_layer = default["backbone"] / default["layers"] * model.args.num_layers
+        print(f"drafting side (round) of the default shape: {default['round']:.0%} of a target step; a draft layer's "
+              f"backbone share x the target's {model.args.num_layers} layers = {per_layer:.0%} of a step")
+    print(json.dumps({"bench": "dspark_cost", "model": args.model, "cpu": cpu_name(), "dtype": args.dtype,
+                      "gamma": args.gamma, "threads": args.threads,
                       "target_step_ms": round(step_s * 1000, 3), "verify_steps": round(verify_s / step_s, 3),
                       "rows": rows, "default_round_fraction": default["round"], "target_fraction": 0.25}))
 

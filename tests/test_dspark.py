@@ -1,4 +1,8 @@
-"""The DSpark port against DeepSpec's own outputs (tests/fixtures/deepspec-tiny, a copy of ../shared/oracles/deepspec-tiny; read only).
+"""The DSpark port against DeepSpec's own outputs: tests/fixtures/deepspec-tiny (Qwen3 drafter) and
+tests/fixtures/deepspec-gemma4-tiny (Gemma4 drafter: global head geometry, K = V, v-norm, attention
+scale 1, proportional partial RoPE, layer scalars, soft-capped base logits), copies of
+../shared/oracles/; read only. The format-general tests run on both sets; the CLI, server and
+sampling tests on the Qwen3 set.
 
 Tolerances are the fixture README's (§8): module intermediates within 1e-5, logits within
 1e-4, tokens exact; loss terms within 1e-5, masks and ids exact, per-token values within
@@ -22,21 +26,35 @@ from verispec.training.dspark.loss import dspark_loss
 from verispec.training.dspark.forward import train_forward
 
 ORACLE = oracle()
+SETS = ["deepspec-tiny", "deepspec-gemma4-tiny"]
+HUB_IDS = {"deepspec-tiny": "deepseek-ai/dspark_qwen3_4b_block7",
+           "deepspec-gemma4-tiny": "deepseek-ai/dspark_gemma4_12b_block7"}
+
+
+@pytest.fixture(scope="module", params=SETS)
+def oracle_set(request):
+    return oracle(request.param)
 
 
 @pytest.fixture(scope="module")
-def drafter():
-    return load_dspark(ORACLE / "drafter", dtype=torch.float32)
+def drafter(oracle_set):
+    return load_dspark(oracle_set / "drafter", dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
-def target():
-    return load_model(str(ORACLE / "target"), dtype=torch.float32)
+def target(oracle_set):
+    return load_model(str(oracle_set / "target"), dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
-def module_io():
-    return load_file(str(ORACLE / "module_io.safetensors")), json.loads((ORACLE / "module_io.json").read_text())
+def qwen3():
+    """(target, drafter) of the Qwen3 set, for the tests that need one pair only."""
+    return load_model(str(ORACLE / "target"), dtype=torch.float32), load_dspark(ORACLE / "drafter", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def module_io(oracle_set):
+    return load_file(str(oracle_set / "module_io.safetensors")), json.loads((oracle_set / "module_io.json").read_text())
 
 
 def _close(ours, theirs, tol):
@@ -79,7 +97,7 @@ def test_block_forward_matches_deepspec_module_outputs(drafter, module_io, monke
     _close(confidence[0], tensors["confidence_logits"][0], 1e-4)
 
 
-def test_our_qwen3_target_taps_are_deepspecs_context_features(target, drafter, module_io):
+def test_our_target_taps_are_deepspecs_context_features(target, drafter, module_io):
     """The features we feed the drafter: our decoder's raw layer outputs at
     target_layer_ids (HF hidden_states[id + 1]), concatenated in order."""
     tensors, meta = module_io
@@ -91,10 +109,10 @@ def test_our_qwen3_target_taps_are_deepspecs_context_features(target, drafter, m
     assert int(out.logits[0].argmax()) == meta["anchor"]
 
 
-def test_training_loss_matches_deepspec(drafter):
-    batch = load_file(str(ORACLE / "loss_batch.safetensors"))
-    expected = json.loads((ORACLE / "loss_expected.json").read_text())
-    logits = load_file(str(ORACLE / "loss_expected.safetensors"))
+def test_training_loss_matches_deepspec(drafter, oracle_set):
+    batch = load_file(str(oracle_set / "loss_batch.safetensors"))
+    expected = json.loads((oracle_set / "loss_expected.json").read_text())
+    logits = load_file(str(oracle_set / "loss_expected.safetensors"))
     with torch.no_grad():
         out = train_forward(drafter, batch["input_ids"], batch["target_hidden_states"], batch["loss_mask"],
                                     batch["anchor_positions"], batch["block_keep_mask"],
@@ -122,11 +140,14 @@ def test_training_loss_matches_deepspec(drafter):
 
 # -- greedy decoding, round for round -----------------------------------------------------
 
-EOS = 0
 MAX_NEW = 64
 
 
-def _decode_fixture(target, drafter, threshold: float):
+def _prompts(folder) -> list[list[int]]:
+    return [json.loads(line)["prompt_ids"] for line in (folder / "prompts.jsonl").read_text().splitlines()]
+
+
+def _decode_fixture(folder, target, drafter, threshold: float):
     """All 16 prompts through our engine at once (continuous batching, rows joining as
     others decode), greedy, full 4-token proposals; returns per prompt our rounds and
     output tokens."""
@@ -149,30 +170,34 @@ def _decode_fixture(target, drafter, threshold: float):
     engine = Engine(target.model, CharTokenizer(), target.stop_ids,
                     EngineConfig(kv_budget=2**30, num_draft_tokens=drafter.block_size, adaptive_draft=False),
                     drafter=provider)
-    prompts = [json.loads(line) for line in (ORACLE / "prompts.jsonl").read_text().splitlines()]
+    prompts = _prompts(folder)
     collectors = []
     for i, p in enumerate(prompts):
         collectors.append(Collector())
-        engine.submit(GenerationRequest(p["prompt_ids"], MAX_NEW), collectors[-1])
+        engine.submit(GenerationRequest(p, MAX_NEW), collectors[-1])
         if i % 3 == 0:
             engine.step()
     engine.run_until_idle()
     rounds = {}
     for record in provider.trace:
         rounds.setdefault(owner[record["source"]], []).append(record)
-    outputs = {tuple(p["prompt_ids"]): c.result(0) for p, c in zip(prompts, collectors)}
+    outputs = {tuple(p): c.result(0) for p, c in zip(prompts, collectors)}
     return rounds, outputs
 
 
-@pytest.mark.parametrize("trace_file, threshold", [("traces_t0.jsonl", 0.0), ("traces_t0_threshold.jsonl", 0.8)])
-def test_greedy_decoding_matches_deepspec_round_for_round(target, drafter, trace_file, threshold):
-    ours_by_prompt, outputs = _decode_fixture(target, drafter, threshold)
+@pytest.mark.parametrize("trace_file", ["traces_t0.jsonl", "traces_t0_threshold.jsonl"])
+def test_greedy_decoding_matches_deepspec_round_for_round(oracle_set, target, drafter, trace_file):
+    """Every round as DeepSpec ran it (its threshold and stop token read from the trace)."""
+    traces = [json.loads(line) for line in (oracle_set / trace_file).read_text().splitlines()]
+    threshold = traces[0]["confidence_threshold"]
+    (EOS,) = traces[0]["stop_token_ids"]
+    assert tuple(target.stop_ids) == (EOS,)
+    ours_by_prompt, outputs = _decode_fixture(oracle_set, target, drafter, threshold)
     compared = 0
-    for line in (ORACLE / trace_file).read_text().splitlines():
-        ref = json.loads(line)
+    for ref in traces:
         prompt = tuple(ref["prompt_ids"])
         n_prompt = len(prompt)
-        events = ours_by_prompt[prompt]
+        events = ours_by_prompt.get(prompt, [])  # none where the first token already stops
         proposals = [e for e in events if e["event"] == "propose"]
         commits = [e for e in events if e["event"] == "commit"]
         for k, theirs in enumerate(ref["rounds"]):
@@ -201,13 +226,13 @@ def test_greedy_decoding_matches_deepspec_round_for_round(target, drafter, trace
     assert compared > 150, "most rounds were compared in full"
 
 
-def test_dspark_greedy_output_equals_plain_decoding(target, drafter):
+def test_dspark_greedy_output_equals_plain_decoding(oracle_set, target, drafter):
     from tests.tiny_models import CharTokenizer
     from verispec.engine.engine import Engine, EngineConfig
     from verispec.engine.request import GenerationRequest
     from verispec.drafting.dspark.source import DSparkProvider
 
-    prompts = [json.loads(line)["prompt_ids"] for line in (ORACLE / "prompts.jsonl").read_text().splitlines()]
+    prompts = _prompts(oracle_set)
     plain = Engine(target.model, CharTokenizer(), target.stop_ids, EngineConfig(kv_budget=2**30))
     spec = Engine(target.model, CharTokenizer(), target.stop_ids, EngineConfig(kv_budget=2**30),
                   drafter=DSparkProvider(drafter, confidence_threshold=0.5))
@@ -221,7 +246,7 @@ def test_dspark_greedy_output_equals_plain_decoding(target, drafter):
 # -- temperature > 0: DSpark's q through the request's processors ------------------------------
 
 
-def test_dspark_sampling_keeps_the_target_distribution(target, drafter, monkeypatch):
+def test_dspark_sampling_keeps_the_target_distribution(qwen3, monkeypatch):
     """Joint distribution of the first three tokens (temperature 2.5, top-k 4, so 64 cells;
     the synthetic language is so predictable that at temperature 1 nearly all mass sits on
     one path and no rule could be told from another)
@@ -238,7 +263,8 @@ def test_dspark_sampling_keeps_the_target_distribution(target, drafter, monkeypa
     from verispec.engine import verify as verify_module
     from verispec.drafting.dspark.source import DSparkProvider
 
-    prompt = json.loads((ORACLE / "prompts.jsonl").read_text().splitlines()[3])["prompt_ids"]
+    target, drafter = qwen3
+    prompt = _prompts(ORACLE)[3]
     params = SamplingParams(temperature=2.5, top_k=4)
     exact = exact_continuations(target.model, prompt, params, 3)
 
@@ -270,16 +296,16 @@ def test_dspark_sampling_keeps_the_target_distribution(target, drafter, monkeypa
 # -- the checkpoint format ------------------------------------------------------------------
 
 
-def test_saved_checkpoints_are_deepspecs_format(drafter, tmp_path):
+def test_saved_checkpoints_are_deepspecs_format(oracle_set, drafter, tmp_path):
     from safetensors import safe_open
 
     from verispec.drafting.dspark.checkpoint import save_dspark
 
     save_dspark(drafter, tmp_path / "out")
-    theirs = json.loads((ORACLE / "drafter" / "config.json").read_text())
+    theirs = json.loads((oracle_set / "drafter" / "config.json").read_text())
     ours = json.loads((tmp_path / "out" / "config.json").read_text())
     assert ours == theirs
-    with safe_open(str(ORACLE / "drafter" / "model.safetensors"), "pt") as a, \
+    with safe_open(str(oracle_set / "drafter" / "model.safetensors"), "pt") as a, \
             safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as b:
         assert set(a.keys()) == set(b.keys())
         for key in a.keys():
@@ -313,20 +339,20 @@ def _config_folder(tmp_path, name, config, weights=True):
     return folder
 
 
-def test_draft_kinds_are_told_apart_with_clear_errors(tmp_path, target):
+def test_draft_kinds_are_told_apart_with_clear_errors(tmp_path, oracle_set, target):
     from verispec.errors import UserError
     from verispec.drafting.dspark.checkpoint import draft_kind
     from verispec.drafting.dspark.config import DraftCheckpointError
     from verispec.drafting.factory import load_drafter
 
-    assert draft_kind(ORACLE / "drafter") == "dspark" and draft_kind(ORACLE / "target") == "model"
+    assert draft_kind(oracle_set / "drafter") == "dspark" and draft_kind(oracle_set / "target") == "model"
     eagle = _config_folder(tmp_path, "eagle", {"architectures": ["LlamaForCausalLMEagle3"]})
     with pytest.raises(DraftCheckpointError, match="EAGLE"):
         draft_kind(eagle)
     dflash = _config_folder(tmp_path, "dflash", {"architectures": ["DFlashDraftModel"]})
     with pytest.raises(DraftCheckpointError, match="DFlash"):
         draft_kind(dflash)
-    config = json.loads((ORACLE / "drafter" / "config.json").read_text())
+    config = json.loads((oracle_set / "drafter" / "config.json").read_text())
     foreign = _config_folder(tmp_path, "foreign", config)  # a DSpark config over tensors of another layout
     with pytest.raises(UserError, match="not a DeepSpec DSpark checkpoint"):
         load_drafter(target, str(foreign), torch.float32)
@@ -342,29 +368,52 @@ def test_draft_kinds_are_told_apart_with_clear_errors(tmp_path, target):
         load_drafter(target, str(misfit), torch.float32)
 
 
-def test_a_hub_id_resolves_to_a_dspark_drafter(target, monkeypatch):
+def test_a_hub_id_resolves_to_a_dspark_drafter(oracle_set, target, monkeypatch):
     import verispec.models.registry as registry
 
     asked = []
-    monkeypatch.setattr(registry, "hub_snapshot", lambda repo, progress: asked.append(repo) or ORACLE / "drafter")
+    monkeypatch.setattr(registry, "hub_snapshot", lambda repo, progress: asked.append(repo) or oracle_set / "drafter")
     from verispec.drafting.factory import load_drafter
 
-    provider = load_drafter(target, "deepseek-ai/dspark_qwen3_4b_block7", torch.float32)
-    assert asked == ["deepseek-ai/dspark_qwen3_4b_block7"]
+    hub_id = HUB_IDS[oracle_set.name]
+    provider = load_drafter(target, hub_id, torch.float32)
+    assert asked == [hub_id]
     assert provider.taps == (0, 2, 4) and provider.block_size == 4
 
 
-def test_cli_detects_a_dspark_drafter_and_changes_no_token(capsys):
+# the README's commands for DeepSeek's released drafters, hub ids resolved to the oracle sets'
+# folders (laid out as the published repos: a Gemma4ForConditionalGeneration / Qwen3 target,
+# DeepSpec's drafter files)
+USER_PATHS = {"deepspec-tiny": ("Qwen/Qwen3-8B", "deepseek-ai/dspark_qwen3_8b_block7"),
+              "deepspec-gemma4-tiny": ("google/gemma-4-12B-it", "deepseek-ai/dspark_gemma4_12b_block7")}
+
+
+@pytest.mark.parametrize("name", SETS)
+def test_the_readme_hub_commands_detect_the_drafter_and_change_no_token(name, capsys, monkeypatch):
+    import verispec.models.registry as registry
     from verispec.cli import main
 
-    text = json.loads((ORACLE / "prompts.jsonl").read_text().splitlines()[0])["turns_text"]
-    argv = ["generate", "-m", str(ORACLE / "target"), "--raw", "--dtype", "float32", "-n", "40", text]
+    folder = oracle(name)
+    target_id, drafter_id = USER_PATHS[name]
+    monkeypatch.setattr(registry, "hub_snapshot",
+                        lambda repo, progress: {target_id: folder / "target", drafter_id: folder / "drafter"}[repo])
+    text = json.loads((folder / "prompts.jsonl").read_text().splitlines()[0])["turns_text"]
+    argv = ["generate", "-m", target_id, "--raw", "--dtype", "float32", "-n", "40", text]
     assert main(argv) == 0
     plain = capsys.readouterr()
-    assert main([*argv, "--draft-model", str(ORACLE / "drafter")]) == 0
+    assert main([*argv, "--draft-model", drafter_id]) == 0
     spec = capsys.readouterr()
     assert spec.out == plain.out and spec.out.strip()
     assert "drafts accepted" in spec.err and "drafts accepted" not in plain.err
+
+
+def test_a_drafter_for_another_family_is_refused_with_the_reason():
+    from verispec.errors import UserError
+    from verispec.drafting.factory import load_drafter
+
+    gemma4 = load_model(str(oracle("deepspec-gemma4-tiny") / "target"), dtype=torch.float32)
+    with pytest.raises(UserError, match="Qwen3DSparkModel .for qwen3 targets., the target is gemma4_text"):
+        load_drafter(gemma4, str(ORACLE / "drafter"), torch.float32)
 
 
 def test_served_dspark_drafting_changes_no_token(tmp_path):
@@ -401,7 +450,7 @@ def test_served_dspark_drafting_changes_no_token(tmp_path):
     assert sum(s["accepted"] for s in spec) > 0 and all(s["mean_accepted_length"] > 1 for s in spec)
 
 
-def test_the_kv_budget_hint_is_exactly_what_fits_with_a_drafter(target, drafter):
+def test_the_kv_budget_hint_is_exactly_what_fits_with_a_drafter(qwen3):
     """The 400's "at most N tokens" (and the default max_tokens) is the largest request
     that fits: N is accepted, N + 1 is refused. (It used to divide the budget by the
     bytes of a one-token row, drafter's fixed reservation included: ~20% low.)"""
@@ -410,7 +459,8 @@ def test_the_kv_budget_hint_is_exactly_what_fits_with_a_drafter(target, drafter)
     from verispec.drafting.dspark.source import DSparkProvider
     from tests.tiny_models import CharTokenizer
 
-    prompt = json.loads((ORACLE / "prompts.jsonl").read_text().splitlines()[0])["prompt_ids"]
+    target, drafter = qwen3
+    prompt = _prompts(ORACLE)[0]
     provider = DSparkProvider(drafter)
     probe = Engine(target.model, CharTokenizer(), target.stop_ids, EngineConfig(kv_budget=2**30), drafter=provider)
     budget = probe._row_bytes(len(prompt) + 100) + 1  # room for exactly 100 new tokens

@@ -24,7 +24,7 @@ from verispec.drafting.dspark.model import DSparkDrafter
 from verispec.drafting.dspark.source import DSparkProvider
 from verispec.training.dspark.forward import train_forward
 
-FAMILIES = ["llama", "qwen2", "qwen3", "gemma3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma3", "gemma4"]
 
 
 def make_drafter(target_config: dict, head="vanilla", rank=8, seed=0, **overrides) -> DSparkDrafter:

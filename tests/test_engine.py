@@ -24,7 +24,7 @@ from verispec.engine.request import Collector, GenerationRequest, RequestRejecte
 from verispec.engine.sampling import SamplingParams
 from verispec.models.loader import load_folder
 
-FAMILIES = ["llama", "qwen3", "gemma3"]
+FAMILIES = ["llama", "qwen3", "gemma3", "gemma4-shared-moe"]
 
 
 

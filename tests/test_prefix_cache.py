@@ -21,7 +21,7 @@ from verispec.engine.engine import Engine, EngineConfig
 from verispec.engine.request import Collector, GenerationRequest
 from verispec.models.loader import load_folder
 
-FAMILIES = ["llama", "qwen3", "gemma3"]
+FAMILIES = ["llama", "qwen3", "gemma3", "gemma4-shared-moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

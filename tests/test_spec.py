@@ -33,7 +33,7 @@ from verispec.engine.step_costs import StepCosts
 from verispec.drafting.two_model import TwoModelProvider
 from verispec.engine.verify import VerifyRow, verify
 
-FAMILIES = ["llama", "qwen3", "gemma3"]
+FAMILIES = ["llama", "qwen3", "gemma3", "gemma4-shared-moe"]
 
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, Gemma4AssistantConfig, Gemma4TextConfig, LlamaConfig,
+                          Qwen2Config, Qwen3Config)
 
 VOCAB = 97
 COMMON = dict(
@@ -63,6 +64,31 @@ def family_configs() -> dict:
             final_logit_softcapping=3.0,
             attn_logit_softcapping=5.0,  # set, yet ignored by transformers and by us
         ),
+        **gemma4_configs(),
+    }
+
+
+def gemma4_configs() -> dict:
+    """Every switch of transformers' Gemma 4 text model, over two configs: sliding/global layers
+    with their own head size, KV heads and RoPE (proportional, partial 0.25), K = V on global
+    layers and a final soft-cap in one; KV sharing with double-wide MLPs, per-layer embeddings
+    (as the E models have them), mixture-of-experts and attention bias in the other. (Layer
+    scalars and the MoE scales are made non-trivial by build_reference. transformers 5.24 cannot
+    run KV sharing without per-layer embeddings: its slicing before the shared layers indexes
+    them unconditionally.)"""
+    base = dict(COMMON, num_hidden_layers=5, head_dim=16, global_head_dim=32, sliding_window=6,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                             "full_attention"])
+    return {
+        "gemma4": Gemma4TextConfig(
+            **base, attention_k_eq_v=True, num_global_key_value_heads=1, hidden_size_per_layer_input=0,
+            final_logit_softcapping=5.0,
+        ),
+        "gemma4-shared-moe": Gemma4TextConfig(
+            **base, num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=VOCAB, enable_moe_block=True, num_experts=4, top_k_experts=2,
+            moe_intermediate_size=24, attention_bias=True,
+        ),
     }
 
 
@@ -90,8 +116,11 @@ def build_reference(config, folder, seed: int = 0):
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+            if "norm" in name or name.endswith("bias") or name.endswith("scale"):
                 param.add_(torch.randn_like(param) * 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):  # gemma4: a stored per-layer output scale
+                buffer.uniform_(0.7, 1.3)
     model.save_pretrained(folder)
     return model
 
@@ -167,3 +196,81 @@ def reference_greedy(model, ids: list[int], n: int, stop_ids=()) -> list[int]:
             out.append(token)
             step = model(torch.tensor([[token]]), use_cache=True, **{cache_arg: getattr(step, cache_arg)})
     return out
+
+
+# -- a Gemma 4 target and its assistant drafter (tests/test_gemma4_assistant.py, bench/gemma4_assistant.py)
+
+GEMMA4_VOCAB = 96
+GEMMA4_PAIRS = ["random", "ordered-embeddings", "agreeing"]
+
+
+def gemma4_target_config(**overrides) -> Gemma4TextConfig:
+    fields = dict(vocab_size=GEMMA4_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, attention_k_eq_v=True,
+                  num_global_key_value_heads=1, sliding_window=96, max_position_embeddings=256,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                  hidden_size_per_layer_input=0, initializer_range=0.2, eos_token_id=1, final_logit_softcapping=8.0)
+    fields.update(overrides)
+    return Gemma4TextConfig(**fields)
+
+
+def gemma4_assistant_config(ordered: bool, wide: bool = False) -> Gemma4AssistantConfig:
+    text = Gemma4TextConfig(vocab_size=GEMMA4_VOCAB, hidden_size=64 if wide else 32, intermediate_size=48,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            global_head_dim=32,
+                            attention_k_eq_v=True, num_global_key_value_heads=1,
+                            layer_types=["sliding_attention", "full_attention"], sliding_window=4,
+                            hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, initializer_range=0.2,
+                            max_position_embeddings=256)
+    return Gemma4AssistantConfig(text_config=text, backbone_hidden_size=64, use_ordered_embeddings=ordered,
+                                 num_centroids=8, centroid_intermediate_top_k=3)
+
+
+def _randomize(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.uniform_(0.7, 1.3, generator=g)
+            elif name.endswith("token_ordering"):
+                b.copy_(torch.randperm(b.numel(), generator=g))
+
+
+def _agreeing(target, assistant) -> None:
+    """Make the pair agree often: the target's head turned into "the token after the input
+    token" (head row k = embedding row k - 1), so the target mostly counts up and sometimes
+    (its layers' say) does not; the assistant reads the token's embedding (pre_projection =
+    [I 0]) through the target's final norm and head."""
+    with torch.no_grad():
+        target.lm_head.weight.copy_(torch.roll(target.model.embed_tokens.weight, 1, dims=0))
+        hidden = target.config.hidden_size
+        assistant.pre_projection.weight.zero_()
+        assistant.pre_projection.weight[:, :hidden].copy_(torch.eye(hidden))
+        assistant.model.norm.weight.copy_(target.model.norm.weight)
+        assistant.lm_head.weight.copy_(target.lm_head.weight)
+
+
+def build_gemma4_pair(folder, kind: str, drafts: int = 4):
+    """A tiny random Gemma 4 target and assistant saved to folder/target and folder/assistant
+    (transformers models returned, eval mode, eager attention). `kind`: "random" (independent:
+    every first draft rejected), "ordered-embeddings" (the centroid-masked head), "agreeing"
+    (made to agree often: rounds that keep some or all drafts)."""
+    torch.manual_seed(3)
+    config = gemma4_target_config(tie_word_embeddings=kind != "agreeing")
+    config._attn_implementation = "eager"
+    target = AutoModelForCausalLM.from_config(config).eval()
+    _randomize(target, 1)
+    assistant_cfg = gemma4_assistant_config(kind == "ordered-embeddings", kind == "agreeing")
+    assistant_cfg._attn_implementation = "eager"
+    assistant = AutoModelForCausalLM.from_config(assistant_cfg).eval()
+    _randomize(assistant, 2)
+    if kind == "agreeing":
+        _agreeing(target, assistant)
+    assistant.generation_config.num_assistant_tokens = drafts
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    target.save_pretrained(folder / "target")
+    assistant.save_pretrained(folder / "assistant")
+    return target, assistant

@@ -89,8 +89,9 @@ def composite_drafter(target, draft_model: str | None, dtype, confidence_thresho
 
 def load_drafter(target, name: str, dtype, confidence_threshold: float | None = None,
                  label: str | None = None) -> DraftProvider:
-    """What `--draft-model` names, by what its files are: a DSpark drafter (DeepSpec format)
-    or a smaller model with the target's tokenizer; anything else is refused with a reason."""
+    """What `--draft-model` names, by what its files are: a DSpark drafter (DeepSpec format), a
+    Gemma 4 assistant (transformers' gemma4_assistant: it borrows the target's KV) or a smaller
+    model with the target's tokenizer; anything else is refused with a reason."""
     from verispec.models.registry import display_name, resolve_model
     from verispec.drafting.dspark.checkpoint import draft_kind
     from verispec.drafting.dspark.config import DraftCheckpointError
@@ -107,6 +108,15 @@ def load_drafter(target, name: str, dtype, confidence_threshold: float | None = 
 
             drafter = load_dspark(folder, target=target, dtype=dtype, device=target.model.device)
             return DSparkProvider(drafter, f"DSpark {label or display_name(name)}", confidence_threshold)
+        if kind == "gemma4_assistant":
+            from verispec.drafting.gemma4_assistant import AssistantMismatchError, load_assistant
+
+            if confidence_threshold is not None:
+                raise UserError("--confidence-threshold applies to DSpark drafters only")
+            try:
+                return load_assistant(target, folder, dtype, f"gemma4 assistant {label or display_name(name)}")
+            except AssistantMismatchError as e:
+                raise UserError(f"--draft-model {name}: {e}") from None
     except DraftCheckpointError as e:
         raise UserError(f"--draft-model {name}: {e}") from None
     if confidence_threshold is not None:

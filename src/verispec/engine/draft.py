@@ -84,12 +84,14 @@ class Draft:
 class SourceContext:
     """What a source may read about its request: the prompt, the output so far (a live
     list: it grows as tokens are accepted; its last item is the pending token), the
-    sampling parameters and the request's token limit."""
+    sampling parameters, the request's token limit and the row's target KV cache (read only:
+    the gemma4 assistant attends over it instead of keeping a cache of its own)."""
 
     prompt: list[int]
     output: list[int]
     params: SamplingParams
     max_tokens: int
+    kv: object | None = None  # models.kv_cache.SequenceKV
 
 
 class DraftSource:

@@ -90,7 +90,7 @@ class Drafting:
             return  # no source: the row decodes plainly (its grammar may still force tokens)
         try:
             row.source = self.provider.new_source(
-                SourceContext(row.request.prompt_ids, row.output, row.params, row.request.max_tokens))
+                SourceContext(row.request.prompt_ids, row.output, row.params, row.request.max_tokens, row.kv))
             row.source_needs_hidden = bool(self.provider.taps)
         except Exception as e:  # noqa: BLE001 - the row decodes without speculation
             log.warning("draft source for %s failed to start (%s); decoding without speculation", row.id, e)

@@ -50,7 +50,7 @@ BLOCK = 16
 @dataclass
 class Entry:
     tokens: tuple[int, ...]
-    keys: list[torch.Tensor]  # per layer: [kv_heads, positions held, head_dim]
+    keys: list[torch.Tensor]  # per layer with its own KV (KVCache.own_layers): [kv_heads, positions held, head_dim]
     values: list[torch.Tensor]
     nbytes: int
 
@@ -92,8 +92,9 @@ class PrefixCache:
         return None
 
     def _copy_in(self, entry: Entry, seq: SequenceKV, length: int) -> None:
-        for layer, window in enumerate(self.cache.layer_windows):
-            k, v = entry.keys[layer], entry.values[layer]
+        for at, layer in enumerate(self.cache.own_layers):  # layers sharing another's KV hold none
+            window = self.cache.layer_windows[layer]
+            k, v = entry.keys[at], entry.values[at]
             if window is None:
                 seq.keys[layer][:, :length].copy_(k[:, :length])
                 seq.values[layer][:, :length].copy_(v[:, :length])
@@ -106,7 +107,7 @@ class PrefixCache:
                 seq.values[layer].zero_()
                 seq.keys[layer][:, slots] = k
                 seq.values[layer][:, slots] = v
-        seq.length = length
+        seq.length = seq.written_end = length
         for window in seq.valid_from:
             seq.valid_from[window] = max(0, length - window)
 
@@ -123,7 +124,8 @@ class PrefixCache:
             self.entries.move_to_end(key)
             return
         keys, values = [], []
-        for layer, window in enumerate(self.cache.layer_windows):
+        for layer in self.cache.own_layers:
+            window = self.cache.layer_windows[layer]
             if window is None:
                 keys.append(seq.keys[layer][:, :length].clone())
                 values.append(seq.values[layer][:, :length].clone())

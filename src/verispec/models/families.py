@@ -1,6 +1,6 @@
 """The model families verispec runs, as one table of facts.
 
-Everything that differs between llama, qwen2, qwen3 and gemma3 and is not a number in
+Everything that differs between llama, qwen2, qwen3, gemma3 and gemma4 and is not a number in
 the checkpoint's config lives here: how config.json names the family, what it defaults,
 which layer flavour it has, how llama.cpp's GGUF converter changed its tensors, what
 DeepSpec calls its DSpark drafter. The readers consult this table instead of testing
@@ -35,8 +35,12 @@ class Family:
     qkv_bias: bool = False  # q/k/v always biased, o_proj never (qwen2); else config's attention_bias on all four
     gemma_layers: bool = False  # (1 + w) float32 norms, sandwich norms, sqrt(hidden) embedding scale,
     # query_pre_attn_scalar, final-logit soft-cap, gelu-tanh, tied embeddings by default
+    gemma4_layers: bool = False  # on top of gemma_layers: x * w norms (no + 1), a scale-less v-norm,
+    # attention scale 1, per-layer-type head size and KV heads (K = V on global layers), per-layer
+    # scalars, KV sharing, per-layer embeddings, MoE (config.py _gemma4_fields)
     sliding: Literal["none", "opt_in", "interleaved"] = "none"  # opt_in: qwen's use_sliding_window;
     # interleaved: gemma3's local/global layer pattern (layer_types or sliding_window_pattern)
+    default_sliding_window: int = 4096  # when an interleaved config names none
     # GGUF (llama.cpp's converter)
     gguf_arch: str | None = None  # general.architecture
     gguf_rope_theta: float = 10000.0  # when the GGUF stores no rope.freq_base
@@ -59,6 +63,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemma3_text", ("gemma3_text", "gemma3"), "Gemma3ForCausalLM", "Gemma3DSparkModel", qk_norm=True,
            gemma_layers=True, sliding="interleaved", gguf_arch="gemma3", gguf_rope_theta=1_000_000.0,
            gguf_norms_plus_one=True, extra_stop_tokens=("<end_of_turn>",)),
+    Family("gemma4_text", ("gemma4_text", "gemma4"), "Gemma4ForCausalLM", "Gemma4DSparkModel", qk_norm=True,
+           gemma_layers=True, gemma4_layers=True, sliding="interleaved", default_sliding_window=512),
 )}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 _BY_CONFIG_TYPE = {t: f for f in FAMILIES.values() for t in f.config_types}

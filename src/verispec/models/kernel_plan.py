@@ -121,7 +121,8 @@ def plan_key(model, dtype: torch.dtype, quant: str, mode: str) -> dict:
     return {"version": PLAN_VERSION, "cpu": cpu_name(), "flags": cpu_flags(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."), "quant": quant,
             "mode": mode, "shapes": shapes, "kernels": digest,
-            "attention": [model.args.num_heads, model.args.num_kv_heads, model.args.head_dim]}
+            "attention": [model.args.num_heads, model.args.num_kv_heads, model.args.head_dim,
+                          list(model.args.layer_head_dims), list(model.args.layer_kv_heads)]}
 
 
 def _role_shapes(model) -> dict[str, list[torch.Size]]:
@@ -263,7 +264,7 @@ def measure_plan(model, dtype: torch.dtype, quant: str = "auto", mode: str = "au
                 timings[role][kernel] = t
     have_kernels = kernels.available()
     attention = {"sdpa": time_attention(model, "sdpa")}
-    if have_kernels and model.args.head_dim % 16 == 0:
+    if have_kernels and all(model.args.head_dim_at(i) % 16 == 0 for i in range(model.args.num_layers)):
         attention["invariant"] = time_attention(model, "invariant")
 
     def best(role, allowed):
@@ -279,7 +280,10 @@ def measure_plan(model, dtype: torch.dtype, quant: str = "auto", mode: str = "au
     fastest = {r: best(r, lambda k: True) for r in timings}
     fastest_att = min(attention, key=lambda a: _score(attention[a]))
     invariant = {r: best(r, lambda k: k in INVARIANT) for r in timings}
-    can_invariant = all(invariant.values()) and "invariant" in attention
+    # gemma4's per-layer embeddings and routed experts multiply outside the planned roles (on
+    # token subsets that depend on the batch, for experts): no plan makes such a model invariant
+    unplanned = bool(model.args.per_layer_input or model.args.moe)
+    can_invariant = all(invariant.values()) and "invariant" in attention and not unplanned
     cost = (total(invariant, "invariant") / total(fastest, fastest_att) - 1) if can_invariant else None
     if mode == "onednn":
         choice, att = {r: "onednn" if "onednn" in timings[r] else "aten" for r in timings}, "sdpa"
@@ -288,6 +292,9 @@ def measure_plan(model, dtype: torch.dtype, quant: str = "auto", mode: str = "au
         if not can_invariant:
             from verispec.errors import UserError
 
+            if unplanned:
+                raise UserError("no batch-invariant plan for this model: its per-layer embeddings or routed experts "
+                                "multiply outside the planned matrices; use --kernels auto or fastest")
             raise UserError("no batch-invariant kernel runs here for every matrix (verispec's kernels need a C++ "
                             "compiler and inputs a multiple of 32); use --kernels auto or fastest")
         choice, att = invariant, "invariant"

@@ -1,7 +1,8 @@
 """Per-sequence KV storage: many sequences at once, O(1) rollback, sliding-window rings.
 
 Layout. Every sequence owns its own tensors (one K and one V per layer, shape
-[kv_heads, slots, head_dim]), reserved once at admission for `capacity` tokens. A batch is
+[kv_heads, slots, head_dim], both per layer in gemma4; a gemma4 layer that shares another's
+KV holds the same tensors as that layer), reserved once at admission for `capacity` tokens. A batch is
 just a list of sequences: joining or leaving never copies or re-merges another row's KV,
 and the bytes a sequence holds are known before it starts, so a scheduler can admit by
 budget (`KVCache.bytes_for`).
@@ -56,15 +57,26 @@ class SequenceKV:
         self.cache = cache
         self.capacity = capacity
         self.length = 0
+        # where the latest forward's writes ended: a rollback moves `length` back but the rolled
+        # back slots keep their K/V until overwritten (the gemma4 assistant reads one of them)
+        self.written_end = 0
         self.slots = [cache.slots_for_layer(i, capacity) for i in range(cache.num_layers)]
-        shape = lambda s: (cache.kv_heads, s, cache.head_dim)  # noqa: E731
-        self.keys = [torch.empty(shape(s), dtype=cache.dtype, device=cache.device) for s in self.slots]
-        self.values = [torch.empty(shape(s), dtype=cache.dtype, device=cache.device) for s in self.slots]
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        for i, slots in enumerate(self.slots):
+            source = cache.kv_source[i]
+            if source != i:  # gemma4 KV sharing: the same tensors as the layer it reads (never written here)
+                self.keys.append(self.keys[source])
+                self.values.append(self.values[source])
+                continue
+            heads, dim = cache.layer_shapes[i]
+            self.keys.append(torch.empty((heads, slots, dim), dtype=cache.dtype, device=cache.device))
+            self.values.append(torch.empty((heads, slots, dim), dtype=cache.dtype, device=cache.device))
         # slots per layer kind (kind = sliding window size, None for global attention)
         self.kind_slots = {w: s for w, s in zip(cache.layer_windows, self.slots)}
         # per sliding kind: oldest position p such that every position in [p, length) is held
         self.valid_from = {w: 0 for w in self.kind_slots if w is not None}
-        self.nbytes = sum(k.nelement() * k.element_size() * 2 for k in self.keys)
+        self.nbytes = sum(self.keys[i].nelement() * self.keys[i].element_size() * 2 for i in cache.own_layers)
 
     def rollback(self, n: int) -> None:
         """Forget the last n tokens (O(1))."""
@@ -122,6 +134,7 @@ class SequenceKV:
     def advance(self, n_new: int) -> None:
         """Commit n_new written tokens (called once per forward, after all layers)."""
         self.length += n_new
+        self.written_end = self.length
         for window in self.valid_from:
             self.valid_from[window] = max(self.valid_from[window], self.length - self.kind_slots[window])
 
@@ -160,8 +173,9 @@ class KVCache:
         max_rollback: int = DEFAULT_MAX_ROLLBACK,
     ):
         self.num_layers = args.num_layers
-        self.kv_heads = args.num_kv_heads
-        self.head_dim = args.head_dim
+        self.layer_shapes = [(args.kv_heads_at(i), args.head_dim_at(i)) for i in range(args.num_layers)]
+        self.kv_source = [args.kv_source_at(i) for i in range(args.num_layers)]
+        self.own_layers = [i for i in range(args.num_layers) if self.kv_source[i] == i]
         self.dtype = dtype
         self.device = torch.device(device)
         self.max_rollback = max_rollback
@@ -179,8 +193,9 @@ class KVCache:
         return min(capacity, window + self.max_rollback)
 
     def bytes_for(self, capacity: int) -> int:
-        per_slot = 2 * self.kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
-        return sum(self.slots_for_layer(i, capacity) for i in range(self.num_layers)) * per_slot
+        element = torch.finfo(self.dtype).bits // 8
+        return sum(self.slots_for_layer(i, capacity) * 2 * heads * dim * element
+                   for i, (heads, dim) in enumerate(self.layer_shapes) if i in self.own_layers)
 
     def allocate(self, capacity: int) -> SequenceKV:
         if capacity <= 0:

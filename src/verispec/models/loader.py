@@ -65,7 +65,7 @@ def convert_state_dict(args: ModelArgs, hf: dict[str, torch.Tensor], dtype: torc
     Empties `hf` as it goes."""
     norm = _gemma_norm if args.norm_offset else (lambda w: w)
     # gemma keeps norm weights in float32 (the multiply happens there); others in dtype
-    norm_dtype = torch.float32 if args.norm_offset else dtype
+    norm_dtype = torch.float32 if args.norm_in_f32 else dtype
     # consume the input: each source tensor is freed once it has been fused/cast, so
     # loading peaks near one copy of the model rather than two
     names = {_strip_prefix(k): hf.pop(k) for k in list(hf)}
@@ -95,21 +95,46 @@ def convert_state_dict(args: ModelArgs, hf: dict[str, torch.Tensor], dtype: torc
             out[p + "post_mlp_norm"] = norm(take(p + "post_feedforward_layernorm.weight")).to(norm_dtype)
         else:
             out[p + "mlp_norm"] = norm(take(p + "post_attention_layernorm.weight")).to(norm_dtype)
-        out[p + "qkv.weight"] = torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"]).to(dtype)
+        own = args.kv_source_at(i) == i  # gemma4: a KV-sharing layer has no k/v (transformers ignores any)
+        projections = "qkv"[: 1 if not own else 2 if args.k_eq_v_at(i) else 3]
+        for dropped in ("k_proj.weight", "v_proj.weight", "k_norm.weight") if not own else ():
+            names.pop(a + dropped, None)
+        out[p + "qkv.weight"] = torch.cat([take(a + f"{x}_proj.weight") for x in projections]).to(dtype)
         if args.attention_bias:
-            out[p + "qkv.bias"] = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"]).to(dtype)
+            out[p + "qkv.bias"] = torch.cat([take(a + f"{x}_proj.bias") for x in projections]).to(dtype)
         out[p + "o_proj.weight"] = take(a + "o_proj.weight").to(dtype)
         if args.o_proj_bias:
             out[p + "o_proj.bias"] = take(a + "o_proj.bias").to(dtype)
         if args.qk_norm:
             qn = norm(take(a + "q_norm.weight")).to(norm_dtype)
-            kn = norm(take(a + "k_norm.weight")).to(norm_dtype)
-            out[p + "qk_norm"] = torch.cat([qn.expand(args.num_heads, -1), kn.expand(args.num_kv_heads, -1)])
+            parts = [qn.expand(args.num_heads, -1)]
+            if own:
+                parts.append(norm(take(a + "k_norm.weight")).to(norm_dtype).expand(args.kv_heads_at(i), -1))
+            out[p + "qk_norm"] = torch.cat(parts)
         out[p + "gate_up.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]).to(dtype)
         out[p + "down.weight"] = take(m + "down_proj.weight").to(dtype)
         if args.mlp_bias:
             out[p + "gate_up.bias"] = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")]).to(dtype)
             out[p + "down.bias"] = take(m + "down_proj.bias").to(dtype)
+        if args.layer_scalar:
+            out[p + "layer_scalar"] = take(p + "layer_scalar").reshape(1).to(dtype)
+        if args.per_layer_input:
+            out[p + "ple_gate.weight"] = take(p + "per_layer_input_gate.weight").to(dtype)
+            out[p + "ple_proj.weight"] = take(p + "per_layer_projection.weight").to(dtype)
+            out[p + "ple_norm"] = norm(take(p + "post_per_layer_input_norm.weight")).to(norm_dtype)
+        if args.moe is not None:
+            out[p + "router.weight"] = take(p + "router.proj.weight").to(dtype)
+            out[p + "router_scale"] = take(p + "router.scale").to(dtype)
+            out[p + "expert_scale"] = take(p + "router.per_expert_scale").to(dtype)
+            out[p + "experts_gate_up"] = take(p + "experts.gate_up_proj").to(dtype)
+            out[p + "experts_down"] = take(p + "experts.down_proj").to(dtype)
+            out[p + "post_mlp_norm_1"] = norm(take(p + "post_feedforward_layernorm_1.weight")).to(norm_dtype)
+            out[p + "pre_moe_norm"] = norm(take(p + "pre_feedforward_layernorm_2.weight")).to(norm_dtype)
+            out[p + "post_moe_norm"] = norm(take(p + "post_feedforward_layernorm_2.weight")).to(norm_dtype)
+    if args.per_layer_input:
+        out["ple_embed"] = take("embed_tokens_per_layer.weight").to(dtype)
+        out["ple_model_proj.weight"] = take("per_layer_model_projection.weight").to(dtype)
+        out["ple_proj_norm"] = norm(take("per_layer_projection_norm.weight")).to(norm_dtype)
     return out
 
 

@@ -46,9 +46,11 @@ def newest_checkpoint(folder: Path) -> Path:
 
 
 def draft_kind(folder: Path) -> str:
-    """'dspark' or 'model' for a resolved model folder; DraftCheckpointError otherwise."""
+    """'dspark', 'gemma4_assistant' or 'model' for a resolved model folder; DraftCheckpointError otherwise."""
     config = read_config(Path(folder))
     arch = " ".join(config.get("architectures") or [])
+    if config.get("model_type") == "gemma4_assistant" or "Gemma4Assistant" in arch:
+        return "gemma4_assistant"
     if any(name in arch for name in ARCHITECTURES.values()):
         return "dspark"
     if "eagle" in arch.lower():
@@ -95,6 +97,9 @@ def load_dspark(folder: Path, target=None, dtype: torch.dtype = torch.float32, d
 def check_compatible(config: DSparkConfig, target_args) -> None:
     a = config.args
     problems = []
+    if a.model_type != target_args.model_type:
+        problems.append(f"it is a {config.architecture} (for {a.model_type} targets), "
+                        f"the target is {target_args.model_type}")
     if a.vocab_size != target_args.vocab_size:
         problems.append(f"vocabulary {a.vocab_size} vs the target's {target_args.vocab_size}")
     if a.hidden_size != target_args.hidden_size:

@@ -48,6 +48,36 @@ def _temperatures(value, block_size: int) -> list[float] | None:
     return [float(v) for v in value]
 
 
+def _gemma4_draft_base(target: dict) -> dict:
+    """DeepSpec's Gemma4 builder: the target's text config (a multimodal target's `text_config`),
+    the target types recorded, dense draft layers without per-layer embeddings. The global
+    layers' head size and KV heads are written as `global_head_dim` / `num_global_key_value_heads`
+    (transformers >= 5.2x writes them per target layer index, which the draft stack does not share)."""
+    text = copy.deepcopy(target.get("text_config") or target)
+    target_args = from_hf_config(target)
+    full = next((i for i, w in enumerate(target_args.layer_windows) if w is None), 0)
+    text.pop("per_layer_config", None)
+    text.update(target_model_type=str(target.get("model_type")), target_text_model_type=str(text.get("model_type")),
+                model_type=text.get("model_type", "gemma4_text"), global_head_dim=target_args.head_dim_at(full),
+                num_global_key_value_heads=target_args.kv_heads_at(full), enable_moe_block=False,
+                hidden_size_per_layer_input=0)
+    return text
+
+
+def _draft_layer_fields(raw: dict) -> dict:
+    """The drafter config as ModelArgs should read it for the draft layers: they are all global
+    layers of their own (gemma4: no KV sharing, whatever the target had; per-index overrides
+    written for the target's layers read as the global layers' geometry)."""
+    if not (is_family(raw.get("model_type")) and family(raw.get("model_type")).gemma4_layers):
+        return raw
+    fields = dict(raw, num_kv_shared_layers=0)
+    overrides = fields.pop("per_layer_config", None)
+    if isinstance(overrides, dict) and overrides and "global_head_dim" not in fields:
+        first = next(iter(overrides.values()))
+        fields["per_layer_config"] = {"full_attention": first}
+    return fields
+
+
 class DraftCheckpointError(ValueError):
     """A draft checkpoint we cannot use, with the reason in one line."""
 
@@ -90,7 +120,8 @@ class DSparkConfig:
         if missing:
             raise DraftCheckpointError(f"DSpark config lacks {', '.join(missing)}")
         # the draft stack is all full attention whatever the target's layer types
-        args = dataclasses.replace(from_hf_config(raw), layer_windows=(None,) * int(raw["num_hidden_layers"]))
+        args = dataclasses.replace(from_hf_config(_draft_layer_fields(raw)),
+                                   layer_windows=(None,) * int(raw["num_hidden_layers"]))
         rank = int(raw.get("markov_rank", 0) or 0)
         head = raw.get("markov_head_type", "vanilla") if rank else "none"
         if rank and head not in SEQUENTIAL_HEADS:
@@ -146,6 +177,8 @@ class DSparkConfig:
         if not is_family(model_type):
             raise DraftCheckpointError(f"no DSpark drafter for target model_type {model_type!r}")
         arch = family(model_type).dspark_class
+        if family(model_type).gemma4_layers:
+            raw = _gemma4_draft_base(raw)
         raw.update(
             architectures=[arch],
             num_target_layers=int(raw["num_hidden_layers"]),

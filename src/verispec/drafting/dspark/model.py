@@ -13,9 +13,12 @@ distribution at position anchor + j.
 
 Draft layers follow the target family's flavour (models/config.py ModelArgs of the
 drafter config, which is the target's config with DSpark fields): q/k norms (qwen3,
-gemma3), q/k/v bias (qwen2), (1 + w) norms, sandwich norms, sqrt(H) embedding scale,
+gemma3/4), q/k/v bias (qwen2), (1 + w) norms, sandwich norms, sqrt(H) embedding scale,
 query_pre_attn_scalar, gelu-tanh and final-logit soft-cap (gemma3, soft-cap applied to
-the base logits before the Markov bias, as DeepSpec does for Gemma).
+the base logits before the Markov bias, as DeepSpec does for Gemma); gemma4 (DeepSpec's
+Gemma4DSparkModel): the target's global-layer geometry (global head size, its KV heads,
+V = the raw k projection when attention_k_eq_v), a weightless v-norm, attention scale 1,
+proportional partial RoPE, `x * w` norms and a stored scalar per layer.
 
 Two ways through the backbone, one set of layer math:
 * training (training/dspark/forward.py): sequences with sampled anchor blocks and a
@@ -27,8 +30,8 @@ Two ways through the backbone, one set of layer math:
   linear layers are pre-packed for oneDNN (drafting/dspark/packing.py).
 
 Parameter names are DeepSpec's, so its checkpoints load with a plain state dict.
-Checked by tests/test_dspark.py against tests/fixtures/deepspec-tiny (module outputs,
-loss terms, greedy traces round by round).
+Checked by tests/test_dspark.py against tests/fixtures/deepspec-tiny and
+deepspec-gemma4-tiny (module outputs, loss terms, greedy traces round by round).
 """
 
 from __future__ import annotations
@@ -45,16 +48,21 @@ from verispec.drafting.dspark.heads import HEADS, ConfidenceHead
 
 class RMSNorm(nn.Module):
     """transformers' RMSNorm conventions: llama/qwen `w * norm(x)` (normalized in float32,
-    cast back, then scaled); gemma `norm(x) * (1 + w)` in float32, cast once."""
+    cast back, then scaled); gemma3 `norm(x) * (1 + w)` in float32, cast once; gemma4
+    `norm(x) * w` in float32, cast once (`in_f32` without an offset)."""
 
-    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0, in_f32: bool = False):
         super().__init__()
-        self.eps, self.offset = eps, offset
+        self.eps, self.offset, self.in_f32 = eps, offset, in_f32 or bool(offset)
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+
+    @classmethod
+    def of(cls, dim: int, args: ModelArgs) -> "RMSNorm":
+        return cls(dim, args.rms_norm_eps, args.norm_offset, args.norm_in_f32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), x.shape[-1:], None, self.eps)
-        if self.offset:
+        if self.in_f32:
             return (normed * (self.offset + self.weight.float())).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
@@ -62,24 +70,30 @@ class RMSNorm(nn.Module):
 class DraftAttention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        H, D = args.hidden_size, args.head_dim
-        self.heads, self.kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, D
+        # every draft layer is a global one: gemma4's global head size, KV heads and K = V
+        H, D = args.hidden_size, args.head_dim_at(0)
+        self.heads, self.kv_heads, self.head_dim = args.num_heads, args.kv_heads_at(0), D
+        self.k_eq_v, self.v_norm, self.eps = args.k_eq_v_at(0), args.v_norm, args.rms_norm_eps
         self.q_proj = nn.Linear(H, self.heads * D, bias=args.attention_bias)
         self.k_proj = nn.Linear(H, self.kv_heads * D, bias=args.attention_bias)
-        self.v_proj = nn.Linear(H, self.kv_heads * D, bias=args.attention_bias)
+        if not self.k_eq_v:  # gemma4 with attention_k_eq_v: V is the raw k_proj output, no v_proj
+            self.v_proj = nn.Linear(H, self.kv_heads * D, bias=args.attention_bias)
         self.o_proj = nn.Linear(self.heads * D, H, bias=args.o_proj_bias)
         self.qk_norm = args.qk_norm
         if args.qk_norm:
-            self.q_norm = RMSNorm(D, args.rms_norm_eps, args.norm_offset)
-            self.k_norm = RMSNorm(D, args.rms_norm_eps, args.norm_offset)
+            self.q_norm = RMSNorm.of(D, args)
+            self.k_norm = RMSNorm.of(D, args)
         self.scale = args.attn_scale if args.attn_scale is not None else D**-0.5
 
     def keys_values(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """[..., N, H] -> K (normed, rotated), V: [..., N, kv_heads, D]."""
+        """[..., N, H] -> K (normed, rotated), V (gemma4: normed without a weight): [..., N, kv_heads, D]."""
         k = self.k_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+        v = k if self.k_eq_v else self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+        if self.v_norm:
+            v = F.rms_norm(v.float(), v.shape[-1:], None, self.eps).to(v.dtype)
         if self.qk_norm:
             k = self.k_norm(k)
-        return apply_rope(k, *rope), self.v_proj(x).unflatten(-1, (self.kv_heads, self.head_dim))
+        return apply_rope(k, *rope), v
 
     def queries(self, u: torch.Tensor, rope) -> torch.Tensor:
         q = self.q_proj(u).unflatten(-1, (self.heads, self.head_dim))
@@ -112,24 +126,29 @@ class DraftMLP(nn.Module):
 class DraftLayer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        eps, off = args.rms_norm_eps, args.norm_offset
+        H = args.hidden_size
         self.self_attn = DraftAttention(args)
         self.mlp = DraftMLP(args)
-        self.input_layernorm = RMSNorm(args.hidden_size, eps, off)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps, off)
+        self.input_layernorm = RMSNorm.of(H, args)
+        self.post_attention_layernorm = RMSNorm.of(H, args)
         self.sandwich = args.sandwich_norms
         if self.sandwich:  # gemma: post_attention_layernorm normalizes the attention output
-            self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, eps, off)
-            self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps, off)
+            self.pre_feedforward_layernorm = RMSNorm.of(H, args)
+            self.post_feedforward_layernorm = RMSNorm.of(H, args)
+        self.scaled = args.layer_scalar
+        if self.scaled:  # gemma4: a stored (never trained) scale of the layer's output
+            self.register_buffer("layer_scalar", torch.ones(1))
 
     def finish(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """Residual around attention, then the MLP block."""
+        """Residual around attention, then the MLP block (then gemma4's layer scalar)."""
         out = self.self_attn.o_proj(attn_out)
         if self.sandwich:
             x = x + self.post_attention_layernorm(out)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + out
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        else:
+            x = x + out
+            x = x + self.mlp(self.post_attention_layernorm(x))
+        return x * self.layer_scalar if self.scaled else x
 
 
 class ContextCache:
@@ -137,7 +156,7 @@ class ContextCache:
 
     def __init__(self, drafter: "DSparkDrafter", capacity: int):
         a = drafter.config.args
-        shape = (capacity, a.num_kv_heads, a.head_dim)
+        shape = (capacity, a.kv_heads_at(0), a.head_dim_at(0))
         dtype, device = drafter.kv_dtype(), drafter.device
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in drafter.layers]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in drafter.layers]
@@ -155,9 +174,9 @@ class DSparkDrafter(nn.Module):
         self.block_size = config.block_size
         self.embed_tokens = nn.Embedding(V, H)
         self.layers = nn.ModuleList(DraftLayer(a) for _ in range(a.num_layers))
-        self.norm = RMSNorm(H, a.rms_norm_eps, a.norm_offset)
+        self.norm = RMSNorm.of(H, a)
         self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
-        self.hidden_norm = RMSNorm(H, a.rms_norm_eps, a.norm_offset)
+        self.hidden_norm = RMSNorm.of(H, a)
         out = config.draft_vocab_size or V
         self.lm_head = nn.Linear(H, out, bias=False)
         if config.draft_vocab_size:
@@ -188,7 +207,7 @@ class DSparkDrafter(nn.Module):
         key = (self.dtype, self.device)
         table = self._ropes.get(key)
         if table is None:
-            table = self._ropes[key] = RotaryTable(self.config.args.rope_global, self.config.args.head_dim, *key)
+            table = self._ropes[key] = RotaryTable(self.config.args.rope_global, self.config.args.head_dim_at(0), *key)
         return table.lookup(positions)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:

@@ -90,7 +90,7 @@ class DSparkProvider(DraftProvider):
     def kv_bytes(self, capacity: int) -> int:
         a = self.drafter.config.args
         element = torch.finfo(self.drafter.kv_dtype()).bits // 8
-        return 2 * a.num_layers * a.num_kv_heads * a.head_dim * element * (capacity + self.block_size + 1)
+        return 2 * a.num_layers * a.kv_heads_at(0) * a.head_dim_at(0) * element * (capacity + self.block_size + 1)
 
     def draft_costs(self, target_costs) -> tuple[float, float]:
         """(per round, per token) in single-token target steps: one backbone pass and the
