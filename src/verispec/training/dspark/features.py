@@ -48,6 +48,12 @@ def default_taps(num_layers: int, count: int = 5) -> list[int]:
 
 
 def read_records(path: Path, min_loss_tokens: int = 14) -> list[dict]:
+    """Datagen's records (its JSONL, or a pack: training/dspark/pack.py) whose answers have at
+    least `min_loss_tokens` tokens (DeepSpec's min_loss_tokens)."""
+    from verispec.training.dspark.pack import is_pack, read_pack
+
+    if is_pack(path):
+        return [r for r in read_pack(path)[1] if len(r["answer_ids"]) >= min_loss_tokens]
     records = []
     lines = path.read_text(encoding="utf-8").split("\n")
     for number, line in enumerate(lines, 1):

@@ -1,0 +1,142 @@
+"""Drafter training data: every user turn as a prompt, decontamination against the benchmark
+prompts (oracle: the eval files' own 8-word runs, compared as word tuples, not hashes), and
+the packs the repository keeps (JSONL -> pack -> records round-trips exactly).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures import oracle
+from verispec.cli import main
+from verispec.data import decontaminate
+from verispec.data.eval_prompts import default_eval_dir
+
+ORACLE = oracle("deepspec-gemma4-tiny")
+EVAL_DIR = default_eval_dir()
+needs_eval = pytest.mark.skipif(EVAL_DIR is None, reason="no shared/eval-prompts above this checkout")
+PACKS = Path(__file__).resolve().parents[1] / "data" / "dspark"
+
+
+def _eval_ngrams() -> set[tuple[str, ...]]:
+    grams = set()
+    for turn in decontaminate.eval_turns(EVAL_DIR):
+        w = decontaminate.words(turn)
+        grams |= {tuple(w[i : i + decontaminate.NGRAM]) for i in range(len(w) - decontaminate.NGRAM + 1)}
+    return grams
+
+
+def _overlaps(text: str, grams: set) -> bool:
+    w = decontaminate.words(text)
+    return any(tuple(w[i : i + decontaminate.NGRAM]) in grams for i in range(len(w) - decontaminate.NGRAM + 1))
+
+
+@needs_eval
+def test_the_shipped_fingerprint_is_the_eval_prompts_own():
+    assert decontaminate.FINGERPRINT.read_bytes() == decontaminate.build_fingerprint(EVAL_DIR)
+
+
+@needs_eval
+def test_contamination_agrees_with_the_word_tuple_oracle():
+    grams = _eval_ngrams()
+    turns = decontaminate.eval_turns(EVAL_DIR)
+    rng = random.Random(0)
+    vocabulary = sorted({w for t in turns for w in decontaminate.words(t)})
+    texts = []
+    for turn in rng.sample(turns, 200):  # an eval turn's 8-word window inside other text
+        w = decontaminate.words(turn)
+        if len(w) >= 8:
+            at = rng.randrange(len(w) - 7)
+            texts.append("Please help. " + " ".join(w[at : at + 8]).upper() + ", thanks!")
+    texts += [" ".join(rng.choices(vocabulary, k=rng.randrange(5, 60))) for _ in range(500)]  # eval words, shuffled
+    texts += ["Now rewrite it.", "hello"]  # short eval turns are not n-grams
+    got = [decontaminate.contaminated(t) for t in texts]
+    assert got == [_overlaps(t, grams) for t in texts]
+    assert 150 < sum(got) < len(texts) - 400, "both kinds are present"
+
+
+def _conversations(path: Path, eval_prompt: str) -> None:
+    convs = [
+        [{"from": "human", "value": "tell me about t12 t7 t40 and more"},
+         {"from": "gpt", "value": "t12 t7 t40 are tokens"},
+         {"from": "human", "value": "and what of t99 t100 please"}],
+        [{"from": "human", "value": "a question about t5 t6 t7 t8"},
+         {"from": "gpt", "value": "t5 answers"},
+         {"from": "human", "value": eval_prompt},  # left out, and so is every later turn that carries it
+         {"from": "gpt", "value": "t9"},
+         {"from": "human", "value": "one more thing t11"}],
+        [{"from": "gpt", "value": "an answer with no question"}],  # not a prompt at all
+    ]
+    path.write_text("".join(json.dumps({"conversations": c}) + "\n" for c in convs))
+
+
+@needs_eval
+def test_datagen_takes_every_user_turn_but_never_an_eval_prompt(tmp_path, capsys):
+    eval_prompt = decontaminate.eval_turns(EVAL_DIR)[100]
+    _conversations(tmp_path / "convs.jsonl", eval_prompt)
+    out = tmp_path / "answers.jsonl"
+    argv = ["dspark", "datagen", "-m", str(ORACLE / "target"), "--prompts", str(tmp_path / "convs.jsonl"),
+            "--out", str(out), "--max-tokens", "16", "--dtype", "float32", "--quiet"]
+    assert main(argv) == 0
+    assert "2 prompts left out" in capsys.readouterr().err
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    prompts = [r["prompt"] for r in records]
+    assert sorted(prompts) == sorted(["tell me about t12 t7 t40 and more", "and what of t99 t100 please",
+                                      "a question about t5 t6 t7 t8"])
+    second = next(r for r in records if r["prompt"] == "and what of t99 t100 please")
+    assert [m["role"] for m in second["messages"]] == ["user", "assistant", "user"]
+    assert all(r["answer_ids"] for r in records)
+    firsts = tmp_path / "firsts.jsonl"  # first turns of the same conversations: all written already
+    firsts.write_text("".join(line + "\n" for line in (tmp_path / "convs.jsonl").read_text().splitlines()[:2]))
+    assert main(["dspark", "datagen", "-m", str(ORACLE / "target"), "--prompts", str(firsts),
+                 "--out", str(out), "--max-tokens", "16", "--dtype", "float32", "--quiet", "--turns", "first"]) == 0
+    assert len(out.read_text().splitlines()) == 3
+
+
+def test_a_pack_holds_exactly_the_records_and_grows_by_the_new_ones(tmp_path, capsys):
+    from verispec.training.dspark.features import read_records
+    from verispec.training.dspark.pack import read_pack
+
+    rng = random.Random(1)
+    records = [{"id": f"{i:016x}", "source": "sharegpt", "prompt": "x", "finish_reason": rng.choice(["stop", "length"]),
+                "prompt_ids": [rng.randrange(70000) for _ in range(rng.randrange(1, 40))],
+                "answer_ids": [rng.randrange(70000) for _ in range(rng.randrange(14, 60))]} for i in range(30)]
+    data = tmp_path / "answers.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records[:20]))
+    pack = tmp_path / "answers.pack.xz"
+    assert main(["dspark", "pack", "--data", str(data), "--out", str(pack), "--vocab-size", "70000"]) == 0
+    first = pack.read_bytes()
+    assert main(["dspark", "pack", "--data", str(data), "--out", str(pack)]) == 0
+    assert pack.read_bytes() == first, "packing the same data again changes nothing"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["dspark", "pack", "--data", str(data), "--out", str(pack)]) == 0
+    meta, got = read_pack(pack)
+    assert meta["width"] == 4 and len(got) == 30
+    keys = ("id", "source", "finish_reason", "prompt_ids", "answer_ids")
+    assert [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in records]
+    assert [r["id"] for r in read_records(pack)] == [r["id"] for r in read_records(data)]
+    capsys.readouterr()
+    assert main(["dspark", "pack", "--data", str(data), "--out", str(tmp_path / "small.pack.xz"),
+                 "--vocab-size", "100"]) == 2
+    assert "beyond the vocabulary of 100" in capsys.readouterr().err
+
+
+@needs_eval
+@pytest.mark.parametrize("pack", sorted(PACKS.glob("*/*.pack.xz")) or [None], ids=lambda p: p and p.parent.name)
+def test_the_committed_training_data_shares_no_8_words_with_an_eval_prompt(pack):
+    """The repository's regenerated answers (prompts decoded with their model's tokenizer)."""
+    if pack is None:
+        pytest.skip("no training data committed under data/dspark yet")
+    from verispec.models.registry import pull
+    from verispec.models.tokenizer import load_tokenizer
+    from verispec.training.dspark.pack import read_pack
+
+    tokenizer = load_tokenizer(pull(pack.parent.name, progress=False))
+    grams = _eval_ngrams()
+    _, records = read_pack(pack)
+    for r in records:
+        assert not _overlaps(tokenizer.decode(r["prompt_ids"] + r["answer_ids"]), grams), r["id"]
