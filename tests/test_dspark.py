@@ -151,22 +151,14 @@ def _decode_fixture(folder, target, drafter, threshold: float):
     """All 16 prompts through our engine at once (continuous batching, rows joining as
     others decode), greedy, full 4-token proposals; returns per prompt our rounds and
     output tokens."""
-    from tests.tiny_models import CharTokenizer
+    from tests.tiny_models import CharTokenizer, track_sources
     from verispec.engine.engine import Engine, EngineConfig
     from verispec.engine.request import Collector, GenerationRequest
     from verispec.drafting.dspark.source import DSparkProvider
 
     provider = DSparkProvider(drafter, confidence_threshold=threshold)
     provider.trace = []
-    owner = {}
-    new_source = provider.new_source
-
-    def tracking_new_source(context):
-        source = new_source(context)
-        owner[id(source)] = tuple(context.prompt)
-        return source
-
-    provider.new_source = tracking_new_source
+    owner = track_sources(provider)
     engine = Engine(target.model, CharTokenizer(), target.stop_ids,
                     EngineConfig(kv_budget=2**30, num_draft_tokens=drafter.block_size, adaptive_draft=False),
                     drafter=provider)
@@ -258,7 +250,6 @@ def test_dspark_sampling_keeps_the_target_distribution(qwen3, monkeypatch):
 
     from tests.tiny_models import CharTokenizer, exact_continuations, sample_continuations
     from verispec.engine.engine import Engine, EngineConfig
-    from verispec.engine.request import Collector, GenerationRequest
     from verispec.engine.sampling import SamplingParams
     from verispec.engine import verify as verify_module
     from verispec.drafting.dspark.source import DSparkProvider

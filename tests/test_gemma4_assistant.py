@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 from transformers.generation import candidate_generator as hf_candidates
 
 from tests.tiny_models import GEMMA4_PAIRS, GEMMA4_VOCAB as VOCAB, CharTokenizer, build_gemma4_pair, \
-    gemma4_target_config as target_config, reference_greedy
+    gemma4_target_config as target_config, reference_greedy, \
+    track_sources
 from verispec.drafting.gemma4_assistant import AssistantMismatchError, AssistantProvider, Gemma4Assistant
 from verispec.engine.engine import Engine, EngineConfig
 from verispec.engine.request import Collector, GenerationRequest
@@ -58,15 +59,7 @@ def _hf_assisted(target, assistant, prompt: list[int], monkeypatch) -> tuple[lis
 def _ours(ours, folder, prompts, stagger: bool) -> tuple[list[list[int]], dict]:
     provider = AssistantProvider(Gemma4Assistant(folder, ours, torch.float32))
     provider.trace = []
-    owner = {}
-    new_source = provider.new_source
-
-    def tracking(context):
-        source = new_source(context)
-        owner[id(source)] = tuple(context.prompt)
-        return source
-
-    provider.new_source = tracking
+    owner = track_sources(provider)
     engine = Engine(ours, CharTokenizer(), (1,), EngineConfig(kv_budget=2**28, num_draft_tokens=DRAFTS,
                                                               adaptive_draft=False), drafter=provider)
     collectors = []

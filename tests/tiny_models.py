@@ -176,6 +176,21 @@ def sample_continuations(engine, prompt: list[int], params, requests: int, n: in
     return counts
 
 
+def track_sources(provider) -> dict[int, tuple[int, ...]]:
+    """Record which prompt each draft source the provider mints serves: {id(source): prompt},
+    filled as the engine admits rows (for tests that read a provider's per-source trace)."""
+    owner: dict[int, tuple[int, ...]] = {}
+    new_source = provider.new_source
+
+    def tracking(context):
+        source = new_source(context)
+        owner[id(source)] = tuple(context.prompt)
+        return source
+
+    provider.new_source = tracking
+    return owner
+
+
 def reference_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
