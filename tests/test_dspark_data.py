@@ -95,6 +95,12 @@ def test_datagen_takes_every_user_turn_but_never_an_eval_prompt(tmp_path, capsys
     assert main(["dspark", "datagen", "-m", str(ORACLE / "target"), "--prompts", str(firsts),
                  "--out", str(out), "--max-tokens", "16", "--dtype", "float32", "--quiet", "--turns", "first"]) == 0
     assert len(out.read_text().splitlines()) == 3
+    # a committed pack continues: its records count as done for a new output file
+    pack = tmp_path / "done.pack.xz"
+    assert main(["dspark", "pack", "--data", str(out), "--out", str(pack), "--vocab-size", "512"]) == 0
+    more = [str(tmp_path / "more.jsonl") if a == str(out) else a for a in argv]
+    assert main(more + ["--packed", str(pack)]) == 0
+    assert (tmp_path / "more.jsonl").read_text() == ""
 
 
 def test_a_pack_holds_exactly_the_records_and_grows_by_the_new_ones(tmp_path, capsys):

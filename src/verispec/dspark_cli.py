@@ -54,6 +54,9 @@ a whole run for the default model (each command can be stopped and rerun; README
                      help="submit no new prompts after this long; the answers in flight are finished and written "
                           "(rerun the same command to continue)")
     gen.add_argument("--batch", type=int, default=32, help="rows decoded together (default 32)")
+    gen.add_argument("--packed", action="append", default=[], metavar="PACK",
+                     help="a pack (`verispec dspark pack`) whose records count as done: continue a committed data set "
+                          "(repeatable)")
     _target_options(gen)
     gen.add_argument("--dataset-answers", action="store_true",
                      help="instead of regenerating, take ShareGPT's own first answers (teacher-forced volume, no "

@@ -208,9 +208,13 @@ def run_datagen(args) -> int:
     from verispec.models.registry import DEFAULT_MODEL
     from verispec.models.tokenizer import encode_chat
 
+    from verispec.training.dspark.pack import read_pack
+
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = done_ids(out)
+    for pack in getattr(args, "packed", None) or []:
+        done |= {r["id"] for r in read_pack(Path(pack))[1]}
     if args.dataset_answers:
         if args.prompts != "sharegpt":
             raise UserError("--dataset-answers takes ShareGPT's own answers; it cannot go with --prompts FILE")
