@@ -44,24 +44,29 @@ def test_interpolation_and_sps_read_back_the_measured_points():
     assert monotone({1: 2.0, 2: 1.5, 3: 3.0, 4: 2.5}) == {1: 2.0, 2: 2.0, 3: 3.0, 4: 3.0}
 
 
-def test_each_point_is_the_median_of_its_repeats(model, monkeypatch):
+def test_each_point_is_the_median_of_its_repeats_taken_in_rounds(model, monkeypatch):
     fake = iter(range(1000))
     clock = {"t": 0.0}
+    sizes_fed = []
 
     def perf_counter():
         return clock["t"]
 
     real_forward = type(model).__call__
 
-    def forward(self, *a, **k):
-        clock["t"] += [0.5, 0.1, 0.3, 0.9, 0.2][next(fake) % 5]  # median 0.3 for every five forwards
-        return real_forward(self, *a, **k)
+    def forward(self, ids, *a, **k):
+        i = next(fake)
+        clock["t"] += [0.5, 0.1, 0.3, 0.9, 0.2, 0.4, 0.6][i % 7]
+        sizes_fed.append(len(ids))
+        return real_forward(self, ids, *a, **k)
 
     monkeypatch.setattr(step_costs.time, "perf_counter", perf_counter)
     monkeypatch.setattr(type(model), "__call__", forward)
-    # the context prefill takes forward 0; then each size's five repeats are forwards 1-5, 6-10, ...
+    # forward 0 is the context prefill; then rounds of (size 1, size 2): size 1 takes forwards
+    # 1, 3, 5, 7, 9 (0.1, 0.9, 0.4, 0.5, 0.3: median 0.4), size 2 takes 2, 4, ... (0.3, 0.2, 0.6, 0.1, 0.9: 0.3)
     points = step_costs.measure(model, sizes=(1, 2), context=4, repeats=5)
-    assert points == {1: pytest.approx(0.3), 2: pytest.approx(0.3)}
+    assert sizes_fed == [4] + [1, 2] * 5
+    assert points == {1: pytest.approx(0.4), 2: pytest.approx(0.3)}
 
 
 def test_spread_rows_take_the_same_tokens(model):

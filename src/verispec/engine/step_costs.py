@@ -36,7 +36,7 @@ ROWS = (1, 2, 4, 8, 16)
 REPEATS = 5
 CONTEXT = 64
 MAX_AGE_DAYS = 7
-VERSION = 3
+VERSION = 4  # 4: sizes timed in rounds (a table measured beside other work had 2 tokens at 1.43x one)
 
 
 class StepCosts:
@@ -101,8 +101,8 @@ def monotone(points: dict[int, float]) -> dict[int, float]:
 @torch.inference_mode()
 def measure(model, sizes=SIZES, context: int = CONTEXT, repeats: int = REPEATS, rows: int = 1) -> dict[int, float]:
     """Seconds of a target forward of n tokens after `context` tokens, the median of
-    `repeats`, for each n: as one row (`rows=1`, a verify block) or spread over `rows`
-    rows of n / rows tokens each (n divisible by rows)."""
+    `repeats` taken in rounds over the sizes, for each n: as one row (`rows=1`, a verify
+    block) or spread over `rows` rows of n / rows tokens each (n divisible by rows)."""
     from verispec.models.decoder import BatchKV
 
     cache = model.new_cache()
@@ -110,22 +110,19 @@ def measure(model, sizes=SIZES, context: int = CONTEXT, repeats: int = REPEATS, 
     ids = torch.randint(0, model.args.vocab_size, (context + max(sizes),), device=model.device)
     for seq in seqs:
         model(ids[:context], BatchKV([seq], [context]))
-    points = {}
-    for n in sizes:
-        each = n // rows
-        if each * rows != n:
-            continue
-        batch = torch.cat([ids[context : context + each]] * rows)
-        times = []
-        for _ in range(repeats):
+    times: dict[int, list[float]] = {n: [] for n in sizes if n % rows == 0}
+    for _ in range(repeats):  # in rounds over the sizes: a burst of other work skews every size alike
+        for n in times:
+            each = n // rows
+            batch = torch.cat([ids[context : context + each]] * rows)
             t = time.perf_counter()
             model(batch, BatchKV(seqs, [each] * rows), logits_at=torch.arange(n, device=model.device))
             if model.device.type == "cuda":
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
+            times[n].append(time.perf_counter() - t)
             for seq in seqs:
                 seq.rollback(each)
-        points[n] = statistics.median(times)
+    points = {n: statistics.median(ts) for n, ts in times.items()}
     for seq in seqs:
         cache.release(seq)
     return points
