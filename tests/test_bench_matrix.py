@@ -22,7 +22,7 @@ from transformers import LlamaConfig
 from tests.test_dspark_families import make_drafter
 from tests.tiny_models import build_reference
 from verispec.bench.loadgen import LaneResult, RequestResult
-from verispec.bench.matrix import Cell, CellKey, check_conformance, skipped_by_flag
+from verispec.bench.matrix import Cell, CellKey, check_conformance, peer_cell_skipped, skipped_by_flag
 from verispec.bench.workloads import EXTRACTIONS, WORKLOADS, validate
 from verispec.cli import main
 
@@ -214,3 +214,22 @@ def test_conformance_checks_each_output_against_its_own_request_when_one_failed(
     cell = Cell(CellKey("m", "none", "serial", "json", True))
     check_conformance(cell, bodies, LaneResult([survivor], 1.0, ["request 0: failed"]))
     assert cell.checked == 1 and cell.invalid == []
+
+
+def test_peers_run_only_the_cells_they_have_the_feature_for():
+    """transformers: serial, no grammar; llama.cpp: every workload and grammar on the serial lane,
+    its queued batch lanes only when asked (--peer-batch); verispec arms everything."""
+    for lane in ("serial", "batch4", "batch8"):
+        for workload, grammar in (("chat", False), ("json", True)):
+            for arm in ("none", "ngram", "llama.cpp", "llama.cpp-lookup", "transformers"):
+                key = CellKey("m", arm, lane, workload, grammar)
+                runs = peer_cell_skipped(key, peer_batch=False) is None
+                runs_asked = peer_cell_skipped(key, peer_batch=True) is None
+                if arm in ("none", "ngram"):
+                    assert runs and runs_asked
+                elif arm == "transformers":
+                    assert runs == runs_asked == (lane == "serial" and not grammar)
+                else:
+                    assert runs == (lane == "serial") and runs_asked
+                    if not runs:
+                        assert "--peer-batch" in peer_cell_skipped(key, peer_batch=False)

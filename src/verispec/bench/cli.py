@@ -12,8 +12,9 @@ what runs:
              tokens, long ~512, json extraction with real schemas; json runs with grammar off and
              on) x arm (none, ngram, dspark, default: one `verispec serve` per arm) x model
   peers      llama.cpp (its server on the same GGUF: plain, JSON-schema grammar) and
-             llama.cpp-lookup (its prompt-lookup speculation), transformers (generate, serial
-             plain cells); a peer that is not installed is reported as skipped
+             llama.cpp-lookup (its prompt-lookup speculation), serial lane (--peer-batch adds
+             the batch lanes, which measure its one-request-at-a-time queue); transformers
+             (generate, serial plain cells); a peer that is not installed is reported as skipped
   metrics    aggregate and per-stream tok/s, TTFT p50/p95 (first SSE content event), tau and
              drafts verified per step, grammar cost, schema conformance, server peak RSS;
              median of --repeats runs; every ratio against the same run's verispec none cell
@@ -65,7 +66,10 @@ def add_bench_parser(sub, formatter) -> None:
                    help="max_tokens of a workload (defaults: chat=128, long=512, json=256)")
     m.add_argument("--quick", action="store_true",
                    help="1 repeat, 1 prompt per workload (lanes still send one request per client), chat 64 / long "
-                        "128 tokens, llama.cpp on the serial lane only: both models in about 10 minutes")
+                        "128 tokens: both models in about 10 minutes")
+    m.add_argument("--peer-batch", action="store_true",
+                   help="also run llama.cpp's batch lanes: llama-cpp-python's server answers one request at a time, "
+                        "so they measure its queue (slowly: they double a full run's peer time); off by default")
     m.add_argument("--draft-model", default=None, help="the dspark arm's drafter (default: the one shipped for the model)")
     m.add_argument("--url", default=None, help="measure a running verispec server instead of starting one per arm")
     m.add_argument("--threads", type=int, default=2, help="threads for every engine and peer (default 2)")
@@ -108,7 +112,7 @@ def run_bench(args) -> int:
 
 def matrix_options(args):
     from verispec.bench.matrix import ARMS, LANES, Options, default_out
-    from verispec.bench.peers import LLAMACPP_ARMS, PEER_ARMS
+    from verispec.bench.peers import PEER_ARMS
     from verispec.bench.workloads import WORKLOADS
     from verispec.data.eval_prompts import default_eval_dir
     from verispec.errors import UserError
@@ -141,8 +145,6 @@ def matrix_options(args):
     if args.url and len(models) != 1:
         raise UserError("--url measures one running server: name its model once with -m")
     skip = set(args.skip)
-    if args.quick:  # a one-request-at-a-time peer's batch lanes only measure its queue, slowly
-        skip |= {f"{peer}:{lane}:*" for peer in LLAMACPP_ARMS for lane in ("batch4", "batch8")}
     return Options(
         models=models,
         arms=names(args.arms, ARMS, "arm"),
@@ -153,4 +155,4 @@ def matrix_options(args):
         repeats=repeats, prompts=prompts, max_tokens=max_tokens, threads=args.threads, draft_model=args.draft_model,
         eval_dir=eval_dir, out=Path(args.out) if args.out else default_out(), url=args.url.rstrip("/") if args.url else None,
         skip=skip, serve_args=args.serve_args.split(), plots=not args.no_plots, dtype=args.dtype,
-        settle_s=max(0.0, args.settle))
+        settle_s=max(0.0, args.settle), peer_batch=args.peer_batch)

@@ -162,6 +162,20 @@ def skipped_by_flag(key: CellKey, patterns: set[str]) -> bool:
     return False
 
 
+def peer_cell_skipped(key: CellKey, peer_batch: bool) -> str | None:
+    """Why a peer cannot run a cell (None: it can): transformers' generate serves no concurrent
+    clients and no grammar; llama-cpp-python's server answers one request at a time, so its
+    batch lanes only measure a queue and run only with --peer-batch."""
+    from verispec.bench.peers import LLAMACPP_ARMS
+
+    if key.arm == "transformers" and (key.lane != "serial" or key.grammar):
+        return "transformers generate: serial lane, no grammar (no serving, no structured output)"
+    if key.arm in LLAMACPP_ARMS and key.lane != "serial" and not peer_batch:
+        return "llama-cpp-python's server answers one request at a time: a batch lane measures its queue " \
+               "(--peer-batch runs it)"
+    return None
+
+
 def requests_for(workload, lane: str, chat: bool, model_name: str) -> list[dict]:
     count = max(len(workload.prompts), LANES[lane])
     return workload.bodies(model_name, chat, count)
@@ -243,6 +257,7 @@ class Options:
     plots: bool = True
     dtype: str = "auto"
     settle_s: float = 120.0
+    peer_batch: bool = False  # llama.cpp's batch lanes (its server queues them: one request at a time)
 
 
 def default_arm(model: str) -> str:
@@ -350,9 +365,9 @@ class ModelRun:
                 if isinstance(flags, str) and not flags.startswith("="):
                     cell.skipped = flags
                 elif skipped_by_flag(key, self.opts.skip):
-                    cell.skipped = "skipped by --skip (--quick runs the peers' serial lane only)"
-                elif arm == "transformers" and (key.lane != "serial" or key.grammar):
-                    cell.skipped = "transformers generate: serial lane, no grammar (no serving, no structured output)"
+                    cell.skipped = "skipped by --skip"
+                else:
+                    cell.skipped = peer_cell_skipped(key, self.opts.peer_batch)
             if isinstance(flags, str):
                 self.info["arms"][arm] = flags
             elif arm in PEER_ARMS:
