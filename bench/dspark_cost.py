@@ -37,15 +37,7 @@ SHAPES = [
     {"layers": 2, "rank": 64, "draft_vocab": 16384},
     {"layers": 2, "rank": 128, "draft_vocab": 49152},
 ]
-TAPS = [1, 8, 15, 22, 28]  # SmolLM2's 30 layers, DeepSpec's spacing, never the last
 SMALL_VOCAB_SHAPES = [{"layers": 1, "rank": 16, "draft_vocab": None}, {"layers": 2, "rank": 16, "draft_vocab": None}]
-
-
-def taps_for(num_layers: int) -> list[int]:
-    """Up to five target layers spread like DeepSpec's, never the last."""
-    if num_layers == 30:
-        return TAPS
-    return sorted({round(i * (num_layers - 2) / 4) for i in range(5)})
 
 
 def best_time(fn, repeats: int) -> float:
@@ -147,11 +139,12 @@ def main() -> None:
 
     from verispec.models.decoder import BatchKV
     from verispec.models.loader import load_model
+    from verispec.training.dspark.features import default_taps
 
     dtype = getattr(torch, args.dtype)
     loaded = load_model(args.model, dtype=dtype)
     model = loaded.model
-    taps = taps_for(model.args.num_layers)
+    taps = default_taps(model.args.num_layers)  # what `verispec dspark train` taps by default
     small = model.args.vocab_size <= min(shape["draft_vocab"] for shape in SHAPES)
     shapes, default_shape = (SMALL_VOCAB_SHAPES, SMALL_VOCAB_SHAPES[1]) if small else (SHAPES, DEFAULT_SHAPE)
     seq = model.new_cache().allocate(1024)

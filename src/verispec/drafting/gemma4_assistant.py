@@ -205,16 +205,21 @@ class AssistantProvider(DraftProvider):
     def draft_costs(self, target_costs) -> tuple[float, float]:
         """Per drafted token: one assistant step over 256 target positions, in target steps."""
         a, t = self.assistant, self.assistant.target
+        kv = {"device": t.device, "dtype": t.kv_dtype()}  # as the target's KV cache holds them
         shared = {}
         for layer in a.model.layers:
             source = -1 - layer.kv_source
             shape = (t.args.kv_heads_at(source), 256, t.args.head_dim_at(source))
-            shared[layer.kv_source] = [(torch.randn(shape), torch.randn(shape), None)]
-        args = (torch.zeros(1, dtype=torch.long), torch.zeros(1, t.args.hidden_size), torch.tensor([255]), shared)
+            shared[layer.kv_source] = [(torch.randn(shape, **kv), torch.randn(shape, **kv), None)]
+        args = (torch.zeros(1, dtype=torch.long, device=t.device),
+                torch.zeros(1, t.args.hidden_size, device=t.device, dtype=t.dtype),
+                torch.tensor([255], device=t.device), shared)
         a.step(*args)
+        _synchronize(t.device)
         start = time.perf_counter()
         for _ in range(5):
             a.step(*args)
+        _synchronize(t.device)
         return 0.0, (time.perf_counter() - start) / 5 / target_costs.base_seconds
 
     @torch.inference_mode()
@@ -225,9 +230,10 @@ class AssistantProvider(DraftProvider):
             a = self.assistant
             rows = [a.visible_kv(s.context.kv) for s, _, _ in active]
             shared = {source: [row[source] for row in rows] for source in rows[0]}
-            tokens = torch.tensor([p for _, p, _ in active], dtype=torch.long)
+            device = a.target.device
+            tokens = torch.tensor([p for _, p, _ in active], dtype=torch.long, device=device)
             hidden = torch.stack([s.last_hidden for s, _, _ in active])
-            positions = torch.tensor([s.context.kv.length for s, _, _ in active])
+            positions = torch.tensor([s.context.kv.length for s, _, _ in active], device=device)
             steps = []
             for _ in range(max(n for _, _, n in active)):
                 tokens, hidden = a.step(tokens, hidden, positions, shared)
@@ -238,6 +244,11 @@ class AssistantProvider(DraftProvider):
                     self.trace.append({"source": id(source), "length": source.context.kv.length,
                                        "tokens": drafts[id(source)].tokens})
         return [drafts[id(s)] for s, _, _ in requests]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def load_assistant(target, folder: str | Path, dtype: torch.dtype, label: str | None = None) -> AssistantProvider:

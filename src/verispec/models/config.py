@@ -225,10 +225,9 @@ GEMMA4_ROPE = {  # transformers' Gemma4TextConfig default rope_parameters
 }
 
 
-def _gemma4_fields(cfg: dict, num_layers: int, head_dim: int, kv_heads: int, intermediate: int) -> dict:
+def _gemma4_fields(cfg: dict, fam: Family, num_layers: int, head_dim: int, kv_heads: int, intermediate: int) -> dict:
     """The ModelArgs fields only gemma4 sets, with transformers' Gemma4TextConfig defaults
     for what config.json leaves out."""
-    fam = family("gemma4_text")
     if cfg.get("use_bidirectional_attention") == "all":
         raise UnsupportedModelError("gemma4 with use_bidirectional_attention 'all' (an encoder) is not a decoder we run")
     types = _layer_types(cfg, fam, num_layers)
@@ -295,7 +294,7 @@ def from_hf_config(cfg: dict) -> ModelArgs:
         raise UnsupportedModelError(f"activation {act!r} is not supported (silu, gelu_pytorch_tanh)")
     qpas = cfg.get("query_pre_attn_scalar")
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    extra = _gemma4_fields(cfg, num_layers, head_dim, kv_heads, int(cfg["intermediate_size"])) \
+    extra = _gemma4_fields(cfg, fam, num_layers, head_dim, kv_heads, int(cfg["intermediate_size"])) \
         if fam.gemma4_layers else {}
     fields = dict(
         model_type=fam.name,

@@ -433,31 +433,34 @@ class Decoder(nn.Module):
         """Per row: write the row's new K/V into its cache, attend over its keys; a layer that shares
         another's KV (gemma4) attends over exactly the keys and values that layer attended over."""
         outs, attended = [], []
+        keep = layer.own_kv and bool(self.args.kv_source)  # another layer will attend over this one's KV
         offset = 0
         for r, n in enumerate(batch.n_new):
             rows = slice(offset, offset + n)
             offset += n
             if layer.own_kv:
                 key_plan = plans[r][layer.window]
-                out, (keys, values) = self._attend_row(q[rows], k[rows], v[rows], batch.seqs[r], key_plan, layer)
-                attended.append((keys, values, key_plan.mask))
+                out, kv = self._attend_row(q[rows], k[rows], v[rows], batch.seqs[r], key_plan, layer, keep)
+                if keep:
+                    attended.append((*kv, key_plan.mask))
             else:
                 keys, values, mask = shared[layer.kv_source][r]
                 out = self._attend(q[rows], keys, values, mask, layer.scale)
             outs.append(out)
-        if layer.own_kv and self.args.kv_source:
+        if keep:
             shared[layer.index] = attended
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         return out.reshape(out.shape[0], -1)
 
-    def _attend_row(self, q, k_new, v_new, seq: SequenceKV, plan: KeyPlan, layer: DecoderLayer):
-        """(attention output [n, heads, D], the keys and values attended over)."""
+    def _attend_row(self, q, k_new, v_new, seq: SequenceKV, plan: KeyPlan, layer: DecoderLayer, keep: bool):
+        """(attention output [n, heads, D], the keys and values attended over: only when `keep`
+        on the fused path, where they are not otherwise needed)."""
         index = layer.index
         cache_k, cache_v = seq.keys[index], seq.values[index]
         if self._fused is not None and plan.gather is None:  # write + attend in one op
             out = self._fused.attend_cached(q, k_new, v_new, cache_k, cache_v, seq.length, plan.n_view, plan.mask,
                                             layer.scale).to(self.dtype)
-            return out, (cache_k[:, : plan.n_view], cache_v[:, : plan.n_view])
+            return out, (cache_k[:, : plan.n_view], cache_v[:, : plan.n_view]) if keep else None
         k_new, v_new = k_new.transpose(0, 1), v_new.transpose(0, 1)  # [kv_heads, n, D]
         if plan.gather is None:
             cache_k[:, plan.write] = k_new
