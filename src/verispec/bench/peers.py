@@ -9,8 +9,8 @@
   transformers       `generate` in this process on the same HF folder, bfloat16, one request
                      at a time (serial lane, grammar off, no speculation: the cells it has)
 
-llama-cpp-python's server runs one request at a time, so its batch lanes measure a queue:
-that is what a user of it gets. Neither peer is a dependency: an absent one is reported as
+llama-cpp-python's server runs one request at a time, so its batch lanes measure a queue;
+they run only with `--peer-batch` (matrix.peer_cell_skipped). Neither peer is a dependency: an absent one is reported as
 skipped with the install line (llama.cpp's portable build flags are in bench/decode.py).
 """
 
