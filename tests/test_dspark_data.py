@@ -146,3 +146,25 @@ def test_the_committed_training_data_shares_no_8_words_with_an_eval_prompt(pack)
     _, records = read_pack(pack)
     for r in records:
         assert not _overlaps(tokenizer.decode(r["prompt_ids"] + r["answer_ids"]), grams), r["id"]
+
+
+@pytest.mark.real_model
+def test_a_datagen_answer_is_the_one_its_prompt_gets_alone(smollm2_folder, tmp_path):
+    """Datagen runs the served plan (batch-invariant kernels on SmolLM2) with a seed per prompt,
+    so each answer equals the answer of its prompt generated alone (oracle: a --batch 1 run,
+    one row at a time): a data set continued on another day or batch size is the same data."""
+    prompts = ["Give me three tips for learning to cook.", "What is a prime number? Explain briefly.",
+               "Write a haiku about rain on a tin roof.", "How do I reverse a list in Python?"]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    common = ["dspark", "datagen", "-m", "smollm2-135m-instruct", "--max-tokens", "24", "--quiet"]
+    assert main([*common, "--prompts", str(tmp_path / "prompts.jsonl"), "--out", str(tmp_path / "batched.jsonl"),
+                 "--batch", "4"]) == 0
+    assert main([*common, "--prompts", str(tmp_path / "prompts.jsonl"), "--out", str(tmp_path / "alone.jsonl"),
+                 "--batch", "1"]) == 0  # one row at a time: each prompt alone
+
+    def answers(name):
+        return {r["prompt"]: r["answer_ids"] for r in map(json.loads, (tmp_path / name).read_text().splitlines())}
+
+    batched, alone = answers("batched.jsonl"), answers("alone.jsonl")
+    assert sorted(batched) == sorted(prompts) and all(len(a) > 1 for a in batched.values())
+    assert batched == alone

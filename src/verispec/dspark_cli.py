@@ -58,6 +58,9 @@ a whole run for the default model (each command can be stopped and rerun; README
                      help="a pack (`verispec dspark pack`) whose records count as done: continue a committed data set "
                           "(repeatable)")
     _target_options(gen)
+    from verispec.serve_cli import add_kernel_args
+
+    add_kernel_args(gen)  # the served plan by default: batch-invariant, so an answer does not depend on its batch
     gen.add_argument("--dataset-answers", action="store_true",
                      help="instead of regenerating, take ShareGPT's own first answers (teacher-forced volume, no "
                           "generation)")
