@@ -103,6 +103,33 @@ def test_datagen_takes_every_user_turn_but_never_an_eval_prompt(tmp_path, capsys
     assert (tmp_path / "more.jsonl").read_text() == ""
 
 
+def test_a_base_model_continues_each_user_turn_as_raw_text(tmp_path):
+    """A model without a chat template (a base model such as gemma3-270m) gets each distinct user
+    turn's text alone as a raw completion prompt (oracle: the tokenizer's own encoding with its
+    special tokens, what /v1/completions sends), and its answers are those `--raw` gets from the
+    same model with a template: the same prompts, the same per-prompt seeds."""
+    import shutil
+
+    from verispec.models.tokenizer import encode_prompt, load_tokenizer
+
+    base = tmp_path / "base"
+    shutil.copytree(ORACLE / "target", base)
+    (base / "chat_template.jinja").unlink()
+    _conversations(tmp_path / "convs.jsonl", "a plain third turn about t3")
+    common = ["dspark", "datagen", "--prompts", str(tmp_path / "convs.jsonl"), "--max-tokens", "12",
+              "--dtype", "float32", "--quiet"]
+    assert main([*common, "-m", str(base), "--out", str(tmp_path / "base.jsonl")]) == 0
+    assert main([*common, "-m", str(ORACLE / "target"), "--raw", "--out", str(tmp_path / "raw.jsonl")]) == 0
+    records = [json.loads(line) for line in (tmp_path / "base.jsonl").read_text().splitlines()]
+    tokenizer = load_tokenizer(base)
+    assert sorted(r["prompt"] for r in records) == sorted(
+        ["tell me about t12 t7 t40 and more", "and what of t99 t100 please", "a question about t5 t6 t7 t8",
+         "a plain third turn about t3", "one more thing t11"])
+    for r in records:
+        assert r["prompt_ids"] == encode_prompt(tokenizer, r["prompt"]) and "messages" not in r and r["answer_ids"]
+    assert (tmp_path / "raw.jsonl").read_text() == (tmp_path / "base.jsonl").read_text()
+
+
 def test_a_pack_holds_exactly_the_records_and_grows_by_the_new_ones(tmp_path, capsys):
     from verispec.training.dspark.features import read_records
     from verispec.training.dspark.pack import read_pack

@@ -109,6 +109,45 @@ def test_two_processes_train_like_one(features, tmp_path):
     assert moved > 1e-3, "the weights did move"
 
 
+def test_training_on_the_fly_ends_with_the_weights_of_training_on_the_cache(features, tmp_path, capsys):
+    """`--data` computes each sample with a target forward when the step needs it (nothing on
+    disk); oracle: the same run on the cache `dspark features` wrote from the same records.
+    A draft vocabulary is counted from the samples' answer tokens in both."""
+    common = ["dspark", "train", *TRAIN, "--steps", "3", "--save-every", "3", "--holdout", "2"]
+    common[common.index("--draft-vocab") + 1] = "64"
+    assert main([*common, "--features", str(features), "--out", str(tmp_path / "cached")]) == 0
+    assert main([*common, "--data", str(features.parent / "answers.jsonl"), "-m", str(ORACLE / "target"),
+                 "--taps", "0,2,4", "--dtype", "float32", "--out", str(tmp_path / "fly")]) == 0
+    cached, fly = _weights(tmp_path / "cached" / "step_3"), _weights(tmp_path / "fly" / "step_3")
+    assert cached.keys() == fly.keys()
+    for k in cached:
+        torch.testing.assert_close(cached[k], fly[k], atol=0, rtol=0, msg=k)
+    vocab = [load_file(str(tmp_path / run / "step_3" / "trainer" / "state.safetensors"))["draft_vocab_ids"]
+             for run in ("cached", "fly")]
+    assert len(vocab[0]) == 64 and torch.equal(*vocab)
+    assert [json.loads(line) for line in (tmp_path / "cached" / "validation.jsonl").read_text().splitlines()] == \
+        [json.loads(line) for line in (tmp_path / "fly" / "validation.jsonl").read_text().splitlines()]
+    capsys.readouterr()
+    assert main([*common, "--features", str(features), "--data", str(features.parent / "answers.jsonl"),
+                 "--out", str(tmp_path / "both")]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_limit_takes_nested_subsets_shared_evenly_between_sources():
+    """`train --limit` (the scaling curve's subsets): a smaller limit is a prefix-subset of a larger
+    one, two sources give equal parts, a short source leaves its share to the other, and the
+    held-out sequences are never taken."""
+    from verispec.training.dspark.train import limited
+
+    ids = [i for i in range(20) if i not in (8, 9)]  # 8, 9: held out (the first source's last two)
+    one = [(0, 10), (10, 20)]
+    small, large = limited(ids, one, 6), limited(ids, one, 12)
+    assert set(small) <= set(large) and len(small) == 6 and len(large) == 12
+    assert sum(i < 10 for i in small) == 3 and sum(i < 10 for i in large) == 6
+    assert limited(ids, one, 17) == [*range(0, 8), *range(10, 19)]  # the first has only 8 of its 9
+    assert limited(ids, one, 100) == ids and limited(ids, [(0, 20)], 5) == [0, 1, 2, 3, 4]
+
+
 def _weights_init(features, tmp_path):
     out = tmp_path / "zero"
     if not (out / "step_1").is_dir():

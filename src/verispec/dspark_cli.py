@@ -61,6 +61,9 @@ a whole run for the default model (each command can be stopped and rerun; README
     from verispec.serve_cli import add_kernel_args
 
     add_kernel_args(gen)  # the served plan by default: batch-invariant, so an answer does not depend on its batch
+    gen.add_argument("--raw", action="store_true",
+                     help="raw completion prompts: each user turn's text alone, no chat template (automatic for a "
+                          "model without one, e.g. gemma3-270m: a base model's drafter learns its continuations)")
     gen.add_argument("--dataset-answers", action="store_true",
                      help="instead of regenerating, take ShareGPT's own first answers (teacher-forced volume, no "
                           "generation)")
@@ -90,13 +93,25 @@ a whole run for the default model (each command can be stopped and rerun; README
     feat.add_argument("--shard-size", type=int, default=256, help="sequences per shard (default 256)")
     _target_options(feat)
 
-    tr = stages.add_parser("train", help="train a DSpark drafter on cached features (DeepSpec's recipe, scaled down)",
+    tr = stages.add_parser("train", help="train a DSpark drafter on the target's features, cached or on the fly "
+                           "(DeepSpec's recipe, scaled down)",
                            description="Train a drafter: 0.1 CE + 0.9 L1 + 1.0 BCE, AdamW, warm-up + cosine, gradient "
                            "clipping; checkpoints in DeepSpec's format; rerun to resume. Under torchrun: "
                            "DistributedDataParallel (gloo on CPU).")
-    tr.add_argument("--features", required=True,
-                    help="features folder (verispec dspark features); several, comma-separated, are mixed")
+    src = tr.add_argument_group("the target's features (one of)")
+    src.add_argument("--features", default=None,
+                     help="features folder (verispec dspark features); several, comma-separated, are mixed")
+    src.add_argument("--data", default=None,
+                     help="datagen JSONL or pack (several, comma-separated, are mixed): the target's features computed "
+                          "on the fly, one target forward per sequence per epoch, nothing on disk")
+    src.add_argument("--model", "-m", default=None, help="with --data: the target (default: smollm2-135m-instruct)")
+    src.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                     help="with --data: the target's dtype, as for `dspark features`")
+    src.add_argument("--taps", default=None, help="with --data: target layers to tap (default: DeepSpec's spacing)")
     tr.add_argument("--out", required=True, help="checkpoint folder (resumed if it has a checkpoint)")
+    tr.add_argument("--limit", type=int, default=None,
+                    help="train on the first N sequences only (after --holdout), shared evenly between the sources: "
+                         "nested subsets for a scaling curve, equal parts of a mix")
     tr.add_argument("--layers", type=int, default=1, help="draft layers (default 1)")
     tr.add_argument("--block-size", type=int, default=7, help="gamma: tokens per proposal (default 7)")
     tr.add_argument("--markov-rank", type=int, default=64, help="Markov rank r (0: DFlash, no sequential head)")

@@ -19,6 +19,10 @@ batch-invariant where it can be) and every prompt samples with its own seed, so 
 one its prompt gets alone, whatever rows share its batch (tests/test_dspark_data.py checks it
 against a --batch 1 run); bench/datagen_throughput.py measures answers/hour per batch and plan.
 
+A base model (a tokenizer without a chat template, e.g. gemma3-270m), or `--raw`, gets each
+user turn's text alone as a raw completion prompt (BOS + text, no template: how such a model is
+served and measured) and its continuation as the answer.
+
 Deduplicated by prompt, resumable (records already in the output are skipped, a line torn by
 an interruption is dropped), a progress bar with ETA. Never the benchmark prompts: a prompt
 file under a folder named `eval-prompts` is refused, and any prompt sharing an 8-word run with
@@ -66,19 +70,18 @@ def dataset_answers(limit: int | None, skip: int = 0) -> Iterator[tuple[str, str
 
 def run_dataset_answers(args, loaded, out: Path, done: set) -> int:
     """`--dataset-answers`: records whose answers are ShareGPT's own (no generation)."""
-    from verispec.models.tokenizer import encode_chat
-
     from verispec.data.decontaminate import contaminated
 
     tokenizer = loaded.tokenizer
     eos = tokenizer.eos_token_id
     written = tokens = 0
+    raw = _raw(args, tokenizer)
     with out.open("a", encoding="utf-8") as f:
         for prompt, answer in dataset_answers(args.limit, args.skip):
             key = prompt_id(prompt)
             if key in done or contaminated(prompt, answer):
                 continue
-            prompt_ids = encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+            prompt_ids = _encode(tokenizer, [{"role": "user", "content": prompt}], raw)
             answer_ids = tokenizer.encode(answer, add_special_tokens=False)[: args.max_tokens]
             if len(prompt_ids) > args.max_prompt_tokens:
                 continue
@@ -202,6 +205,22 @@ def done_ids(out: Path) -> set[str]:
     return {json.loads(line)["id"] for line in data.decode("utf-8").split("\n") if line.strip()}
 
 
+def _raw(args, tokenizer) -> bool:
+    """Raw completion prompts: asked for, or the model has no chat template (a base model)."""
+    from verispec.models.tokenizer import has_chat_template
+
+    raw = getattr(args, "raw", False) or not has_chat_template(tokenizer)
+    if raw and not getattr(args, "quiet", False):
+        print("datagen: raw completion prompts (each user turn's text alone, no chat template)", file=sys.stderr)
+    return raw
+
+
+def _encode(tokenizer, messages: list[dict], raw: bool) -> list[int]:
+    from verispec.models.tokenizer import encode_chat, encode_prompt
+
+    return encode_prompt(tokenizer, messages[-1]["content"]) if raw else encode_chat(tokenizer, messages)
+
+
 def run_datagen(args) -> int:
     import torch
     from tqdm.auto import tqdm
@@ -211,8 +230,6 @@ def run_datagen(args) -> int:
     from verispec.engine.sampling import SamplingParams
     from verispec.models.loader import load_for_serving, load_model, resolve_dtype
     from verispec.models.registry import DEFAULT_MODEL
-    from verispec.models.tokenizer import encode_chat
-
     from verispec.training.dspark.pack import read_pack
 
     out = Path(args.out)
@@ -227,10 +244,20 @@ def run_datagen(args) -> int:
         return run_dataset_answers(args, loaded, out, done)
     from verispec.data.decontaminate import contaminated
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # the plan `verispec serve` runs (kernels measured on this machine; batch-invariant where it can
+    # be, so a prompt's seeded answer is the same whatever rows share its batch)
+    loaded = load_for_serving(args.model or DEFAULT_MODEL, dtype=args.dtype, kernels=getattr(args, "kernels", "auto"),
+                              quant=getattr(args, "quant", "auto"), progress=not args.quiet)
+    tokenizer = loaded.tokenizer
+    raw = _raw(args, tokenizer)
     seen = set(done)
     todo = []
     left_out = 0
     for source, messages in prompt_messages(args.prompts, args.turns, args.limit, args.skip):
+        if raw:  # the turn's text alone: one record per distinct text
+            messages = messages[-1:]
         key = messages_id(messages)
         if key in seen:
             continue
@@ -239,13 +266,6 @@ def run_datagen(args) -> int:
             left_out += 1
             continue
         todo.append((key, source, messages))
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    # the plan `verispec serve` runs (kernels measured on this machine; batch-invariant where it can
-    # be, so a prompt's seeded answer is the same whatever rows share its batch)
-    loaded = load_for_serving(args.model or DEFAULT_MODEL, dtype=args.dtype, kernels=getattr(args, "kernels", "auto"),
-                              quant=getattr(args, "quant", "auto"), progress=not args.quiet)
-    tokenizer = loaded.tokenizer
     eos = tokenizer.eos_token_id
     engine = Engine(loaded.model, tokenizer, loaded.stop_ids, EngineConfig(max_rows=args.batch))
     if left_out:
@@ -271,7 +291,7 @@ def run_datagen(args) -> int:
                 if item is None:
                     break
                 key, source, messages = item
-                prompt_ids = encode_chat(tokenizer, messages)
+                prompt_ids = _encode(tokenizer, messages, raw)
                 if len(prompt_ids) > args.max_prompt_tokens:
                     bar.update(1)  # too long for this budget; not written, so a later run with a larger cap may take it
                     continue

@@ -18,7 +18,11 @@ Training reads slices through safetensors' memory map.
 Why a cache rather than target forwards during training: measured on this machine (README,
 "Training a drafter"), the target's teacher-forced forward per sequence costs a large
 share of a drafter training step, and training makes several passes over the data; the
-cache is computed once and costs ~7 KiB per token on disk (SmolLM2, 5 taps).
+cache is computed once and costs ~7 KiB per token on disk (SmolLM2, 5 taps). That grows
+with the data (10k sequences: tens of GB), so `TargetFeatures` computes the same samples on
+the fly instead (`dspark train --data`): one target forward per sequence per epoch, nothing on
+disk. Both give bit-identical samples (the same `sequence_features`), so a run trains to the
+same weights either way (tests/test_dspark_train.py).
 """
 
 from __future__ import annotations
@@ -174,6 +178,55 @@ class Sample:
     lse: torch.Tensor  # fp32 [T]
 
 
+class TargetFeatures:
+    """The samples a FeatureCache of `records` would hold, computed when asked for: a
+    teacher-forced target forward per access, nothing on disk. Same interface as FeatureCache
+    (len, [i], answer_tokens, manifest, folder_ranges); several record lists are mixed in order."""
+
+    def __init__(self, record_lists: list[list[dict]], loaded, taps: list[int]):
+        args_m = loaded.model.args
+        self.model, self.taps = loaded.model, taps
+        self.records = [r for records in record_lists for r in records]
+        self.folder_ranges, start = [], 0
+        for records in record_lists:
+            self.folder_ranges.append((start, start + len(records)))
+            start += len(records)
+        self.manifest = {"version": VERSION, "target": str(loaded.folder), "target_name": loaded.name,
+                         "target_layer_ids": taps, "hidden_size": args_m.hidden_size,
+                         "num_target_layers": args_m.num_layers, "vocab_size": args_m.vocab_size,
+                         "records": len(self.records), "on_the_fly": True}
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def answer_tokens(self, i: int) -> list[int]:
+        return list(self.records[i]["answer_ids"])
+
+    def __getitem__(self, i: int) -> Sample:
+        r = self.records[i]
+        f = sequence_features(self.model, r["prompt_ids"], r["answer_ids"], self.taps)
+        # clones outside inference mode: autograd may save them for the drafter's backward
+        return Sample(input_ids=f["input_ids"].long(), loss_mask=f["loss_mask"].float(), taps=f["taps"].clone(),
+                      last_hidden=f["last_hidden"].clone(), lse=f["lse"].clone())
+
+
+def target_features(data: str, model: str | None, dtype: str, taps: str | None) -> TargetFeatures:
+    """`dspark train --data`: datagen files or packs (comma-separated, mixed in order) with the
+    target loaded as `dspark features` loads it, tapped at `taps` (default: DeepSpec's spacing)."""
+    from verispec.models.loader import load_model, resolve_dtype
+    from verispec.models.registry import DEFAULT_MODEL
+
+    lists = []
+    for path in data.split(","):
+        records = read_records(Path(path))
+        if not records:
+            raise UserError(f"{path}: no datagen records with answers (run `verispec dspark datagen` first)")
+        lists.append(records)
+    loaded = load_model(model or DEFAULT_MODEL, dtype=resolve_dtype(dtype))
+    chosen = [int(t) for t in taps.split(",")] if taps else default_taps(loaded.model.args.num_layers)
+    return TargetFeatures(lists, loaded, chosen)
+
+
 class FeatureCache:
     """Random access to the samples of one or more features folders (memory-mapped shards;
     several folders must hold features of the same target and taps, and are mixed)."""
@@ -201,6 +254,12 @@ class FeatureCache:
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def answer_tokens(self, i: int) -> list[int]:
+        name, a, b = self.index[i]
+        f = self._open(name)
+        ids, mask = f.get_slice("input_ids")[a:b], f.get_slice("loss_mask")[a:b]
+        return ids[mask > 0].tolist()
 
     def _open(self, path: Path):
         handle = self._files.get(path)

@@ -26,9 +26,14 @@
   names the newest. Rerunning the same command resumes from it. A metrics log
   (metrics.jsonl) and PNG curves (curves.png) are written alongside.
 
+* The target's features come from a cache (`--features`, `verispec dspark features`) or are
+  computed on the fly from datagen's records (`--data`: a target forward per sequence per
+  epoch, no disk; features.TargetFeatures), the same samples either way.
+
 Checked by tests/test_dspark_train.py: the loss goes down on a small cache, a resumed
-run continues exactly where it stopped, and 2 processes under torchrun end with the same
-weights as 1 process with the same global batch.
+run continues exactly where it stopped, 2 processes under torchrun end with the same
+weights as 1 process with the same global batch, and training on the fly ends with the
+weights of training on the cache.
 """
 
 from __future__ import annotations
@@ -59,8 +64,7 @@ def draft_vocabulary(cache, size: int, always=()) -> tuple[torch.Tensor, float]:
     the share of answer tokens they cover."""
     counts = Counter()
     for i in range(len(cache)):
-        s = cache[i]
-        counts.update(s.input_ids[s.loss_mask > 0.5].tolist())
+        counts.update(cache.answer_tokens(i))
     must = {int(t) for t in always}
     chosen = [t for t, _ in counts.most_common(size) if t not in must][: size - len(must)]
     ids = sorted(set(chosen) | must)
@@ -144,6 +148,22 @@ class Distributed:
         self.dist.destroy_process_group()
 
 
+def limited(train_ids: list[int], folder_ranges: list[tuple[int, int]], limit: int) -> list[int]:
+    """The first `limit` training sequences, shared evenly between the sources (folders or
+    files; the first takes the remainder): nested subsets of one data set for a scaling curve,
+    and a mix of two sets in equal parts."""
+    sources = [[i for i in train_ids if a <= i < b] for a, b in folder_ranges]
+    quota = [limit // len(sources) + (k < limit % len(sources)) for k in range(len(sources))]
+    for k, have in enumerate(sources):  # a short source leaves its quota to the others
+        if len(have) < quota[k]:
+            spare, quota[k] = quota[k] - len(have), len(have)
+            for j in range(len(sources)):
+                extra = min(spare, len(sources[j]) - quota[j])
+                quota[j] += extra
+                spare -= extra
+    return sorted(i for have, q in zip(sources, quota) for i in have[:q])
+
+
 def lr_at(step: int, total: int, peak: float, warmup_ratio: float = 0.04) -> float:
     """DeepSpec's CosineAnnealingWarmupLR: lr (t+1)/W for W = int(0.04 total) steps, then cosine to 0."""
     warmup = int(warmup_ratio * total)
@@ -185,13 +205,18 @@ def setup(args) -> TrainRun:
     from verispec.drafting.dspark.config import DSparkConfig
     from verispec.drafting.dspark.model import DSparkDrafter
     from verispec.models.config import read_config
-    from verispec.training.dspark.features import FeatureCache
+    from verispec.training.dspark.features import FeatureCache, target_features
     from verispec.training.dspark.forward import TrainingView
 
     if args.threads:
         torch.set_num_threads(args.threads)
     world = Distributed()
-    cache = FeatureCache([Path(f) for f in args.features.split(",")])
+    if bool(args.features) == bool(getattr(args, "data", None)):
+        raise UserError("give --data (target features computed on the fly) or --features (a features cache), not both")
+    if args.features:
+        cache = FeatureCache([Path(f) for f in args.features.split(",")])
+    else:
+        cache = target_features(args.data, args.model, args.dtype, args.taps)
     manifest = cache.manifest
     out = Path(args.out)
     if world.main:
@@ -242,6 +267,8 @@ def setup(args) -> TrainRun:
     holdout = list(range(end_first - args.holdout, end_first)) if args.holdout else []
     held = set(holdout)
     train_ids = [i for i in range(len(cache)) if i not in held]
+    if getattr(args, "limit", None):
+        train_ids = limited(train_ids, cache.folder_ranges, args.limit)
     steps_per_epoch = len(train_ids) // args.batch
     if steps_per_epoch == 0:
         raise UserError(f"{len(cache)} sequences do not make one global batch of {args.batch}")

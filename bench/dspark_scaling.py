@@ -1,0 +1,228 @@
+"""The drafter's scaling curve (issue #15, stage 2): held-out tau against training data, at
+fixed compute per point.
+
+Every point trains `verispec dspark train` for the same `--steps` x `--batch` sequences on the
+first N records of a regenerated pack (nested subsets, `train --limit`), with the same 100
+held-out records (the pack's last) for teacher-forced tau (`validation.jsonl` at the last step),
+then decodes `--live` held-out ShareGPT first turns (the file's last ones, never a prompt of the
+pack, never the eval prompts) with `dspark measure` at T=0 for live tau; the first point also
+measures n-gram on them, the weightless line to beat. The default grid is the issue's:
+
+    size     regenerated answers, 1 draft layer, 16k draft vocabulary, at --sizes (1000,2500,5000,10000)
+    source   at --pivot sequences: ShareGPT's own answers (--sharegpt), and a half/half mix
+    layers   at --pivot: 2 draft layers
+    vocab    at --pivot: an 8k and the full draft vocabulary
+
+A size larger than the pack holds is skipped (and said). The features of each pack are computed
+once into `--work` (`dspark features`, resumable; ~7 KiB per token on disk) and every point
+reads them. Each finished point appends one JSON line to `--results` (default
+docs/dspark-scaling.jsonl) and redraws the PNG beside it; a point already there is skipped and a
+point's training resumes from its checkpoint, so the curve grows across sessions:
+
+    .venv/bin/python bench/dspark_scaling.py --data data/dspark/smollm2-135m-instruct/regenerated.pack.xz \\
+        --minutes 170                     # stop (resumably) after this long; rerun to continue
+    .venv/bin/python bench/dspark_scaling.py --data PACK --plot-only
+
+Prints a table of the points so far and one JSON line. The machine should be otherwise idle
+(points are compared by tau, not time, but the CPU hours are reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+HOLDOUT = 100
+
+
+def cli(argv: list[str]) -> None:
+    from verispec.cli import main
+
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        code = main(argv)
+    if code != 0:
+        raise SystemExit(f"failed ({code}): {' '.join(argv)}\n{err.getvalue()[-2000:]}")
+
+
+def grid(args) -> list[dict]:
+    base = {"source": "regenerated", "layers": 1, "draft_vocab": 16384}
+    points = [{**base, "sequences": n} for n in args.sizes]
+    pivot = {**base, "sequences": args.pivot}
+    if args.sharegpt:
+        points += [{**pivot, "source": "sharegpt"}, {**pivot, "source": "mix"}]
+    points += [{**pivot, "layers": 2}, {**pivot, "draft_vocab": 8192}, {**pivot, "draft_vocab": 0}]
+    for p in points:
+        p["key"] = f"{p['source']}-n{p['sequences']}-L{p['layers']}-v{p['draft_vocab']}-s{args.steps}x{args.batch}"
+    return points
+
+
+def held_out_prompts(packs: list[Path], model: str, count: int) -> list[str]:
+    """The last `count` distinct ShareGPT first turns that are no prompt of the packs."""
+    from verispec.data.decontaminate import contaminated
+    from verispec.data.sharegpt import first_user_turns
+    from verispec.models.loader import load_model
+    from verispec.models.tokenizer import encode_chat
+    from verispec.training.dspark.pack import read_pack
+
+    tokenizer = load_model(model).tokenizer
+    used = {tuple(r["prompt_ids"]) for pack in packs for r in read_pack(pack)[1]}
+    chosen = []
+    for text in reversed(first_user_turns(min_chars=16, max_chars=2000)):
+        if tuple(encode_chat(tokenizer, [{"role": "user", "content": text}])) in used or contaminated(text):
+            continue
+        chosen.append(text)
+        if len(chosen) == count:
+            break
+    return chosen
+
+
+def features_for(pack: Path, work: Path, model: str, threads: int) -> Path:
+    out = work / f"features-{pack.name.split('.')[0]}"
+    manifest = out / "manifest.json"
+    if not (manifest.is_file() and json.loads(manifest.read_text()).get("complete")):
+        print(f"features of {pack} -> {out} (once; resumable)", file=sys.stderr, flush=True)
+        cli(["dspark", "features", "-m", model, "--data", str(pack), "--out", str(out), "--threads", str(threads)])
+    return out
+
+
+def run_point(p: dict, args, features: dict, eval_dir: Path, deadline: float) -> dict | None:
+    from verispec.training.dspark.features import FeatureCache
+
+    folders = {"regenerated": [features["regenerated"]], "sharegpt": [features.get("sharegpt")],
+               "mix": [features["regenerated"], features.get("sharegpt")]}[p["source"]]
+    available = sum(len(FeatureCache([f])) for f in folders) - HOLDOUT
+    if available < p["sequences"]:
+        print(f"skip {p['key']}: {available} training sequences, fewer than {p['sequences']}", file=sys.stderr)
+        return None
+    run = args.work / p["key"]
+    left = (deadline - time.monotonic()) / 60
+    if left < 1:
+        return None
+    start = time.perf_counter()
+    # the held-out records are the last HOLDOUT of the first folder (the regenerated pack for mix)
+    cli(["dspark", "train", "--features", ",".join(map(str, folders)), "--out", str(run), "--limit",
+         str(p["sequences"]), "--holdout", str(HOLDOUT), "--steps", str(args.steps), "--batch", str(args.batch),
+         "--layers", str(p["layers"]), "--draft-vocab", str(p["draft_vocab"]), "--save-every", "100",
+         "--max-minutes", f"{left:.2f}", "--threads", str(args.threads), "--log-every", "1000"])
+    state = json.loads((run / (run / "latest").read_text().strip() / "trainer" / "state.json").read_text())
+    if state["step"] < args.steps:
+        return None  # out of time: the next run resumes this point
+    train_minutes = (time.perf_counter() - start) / 60
+    val = [json.loads(line) for line in (run / "validation.jsonl").read_text().splitlines()][-1]
+    measure = ["dspark", "measure", "-m", args.model, "--drafter", str(run), "--eval-dir", str(eval_dir),
+               "--datasets", "sharegpt-heldout", "--per-dataset", str(args.live), "--temperatures", "0",
+               "--max-tokens", str(args.max_tokens), "--out", str(run / "measure"), "--quiet",
+               "--threads", str(args.threads)]
+    first = not any(True for _ in _points(args.results))
+    cli([*measure, *(["--with-ngram"] if first else [])])
+    row = json.loads((run / "measure" / "measure.json").read_text())["rows"][0]
+    record = {**p, "steps": args.steps, "batch": args.batch, "tau_teacher_forced": round(val["tau_probabilistic"], 3),
+              "accept_by_position": val["accept_by_position"], "tau_live_t0": round(row["tau"], 3),
+              "live_prompts": args.live, "train_minutes_this_run": round(train_minutes, 1),
+              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"), "cpu": args.cpu}
+    if first:
+        record["ngram_tau_live_t0"] = round(row["ngram_tau"], 3)
+    return record
+
+
+def _points(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def plot(points: list[dict], png: Path) -> None:
+    from verispec.plots import pyplot
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    curve = sorted((p for p in points if p["source"] == "regenerated" and p["layers"] == 1
+                    and p["draft_vocab"] == 16384), key=lambda p: p["sequences"])
+    for key, label, style in (("tau_teacher_forced", "teacher-forced (held-out records)", "o-"),
+                              ("tau_live_t0", "live, T=0 (held-out ShareGPT)", "s-")):
+        ax.plot([p["sequences"] for p in curve], [p[key] for p in curve], style, label=f"regenerated, {label}")
+    for p in points:
+        if p in curve:
+            continue
+        name = (p["source"] if p["source"] != "regenerated" else
+                f"{p['layers']} layers" if p["layers"] != 1 else f"vocab {p['draft_vocab'] or 'full'}")
+        ax.plot([p["sequences"]], [p["tau_live_t0"]], "x", markersize=9, label=f"{name} (live)")
+    ngram = next((p["ngram_tau_live_t0"] for p in points if "ngram_tau_live_t0" in p), None)
+    if ngram:
+        ax.axhline(ngram, color="grey", linestyle="--", label=f"n-gram, live ({ngram:.2f})")
+    ax.set_xscale("log")
+    ax.set_xlabel("distinct training sequences (same steps x batch per point)")
+    ax.set_ylabel("tau (tokens per target forward)")
+    ax.set_title("DSpark drafter: tau against training data")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True, type=Path, help="the regenerated pack (dspark datagen + pack)")
+    ap.add_argument("--sharegpt", type=Path, default=None, help="a pack of ShareGPT's own answers (datagen "
+                    "--dataset-answers + pack): adds the source points")
+    ap.add_argument("--model", "-m", default="smollm2-135m-instruct")
+    ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1000, 2500, 5000, 10000])
+    ap.add_argument("--pivot", type=int, default=2500, help="the size the other points use (default 2500)")
+    ap.add_argument("--steps", type=int, default=600, help="optimizer steps per point (default 600)")
+    ap.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
+    ap.add_argument("--live", type=int, default=24, help="held-out prompts decoded live (default 24)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--work", type=Path, default=Path("work/scaling"), help="features and runs (default work/scaling)")
+    ap.add_argument("--results", type=Path, default=Path("docs/dspark-scaling.jsonl"))
+    ap.add_argument("--minutes", type=float, default=600.0, help="stop (resumably) after this long (default 600)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--plot-only", action="store_true")
+    args = ap.parse_args()
+    import torch
+
+    from verispec.models.kernel_plan import cpu_name
+
+    torch.set_num_threads(args.threads)
+    args.cpu = cpu_name()
+    deadline = time.monotonic() + args.minutes * 60
+    if not args.plot_only:
+        args.work.mkdir(parents=True, exist_ok=True)
+        packs = [args.data, *([args.sharegpt] if args.sharegpt else [])]
+        eval_dir = args.work / "heldout"
+        if not (eval_dir / "sharegpt-heldout.jsonl").is_file():
+            eval_dir.mkdir(exist_ok=True)
+            prompts = held_out_prompts(packs, args.model, args.live)
+            (eval_dir / "sharegpt-heldout.jsonl").write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in prompts))
+        features = {"regenerated": features_for(args.data, args.work, args.model, args.threads)}
+        if args.sharegpt:
+            features["sharegpt"] = features_for(args.sharegpt, args.work, args.model, args.threads)
+        done = {p["key"] for p in _points(args.results)}
+        for p in grid(args):
+            if p["key"] in done:
+                continue
+            record = run_point(p, args, features, eval_dir, deadline)
+            if record is not None:
+                args.results.parent.mkdir(parents=True, exist_ok=True)
+                with args.results.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+                plot(_points(args.results), args.results.with_suffix(".png"))
+            if time.monotonic() > deadline:
+                print("out of time: rerun the same command to continue", file=sys.stderr)
+                break
+    points = _points(args.results)
+    if points:
+        plot(points, args.results.with_suffix(".png"))
+    print(f"{'point':<44}{'tau tf':>8}{'tau live':>9}")
+    for p in points:
+        print(f"{p['key']:<44}{p['tau_teacher_forced']:>8.3f}{p['tau_live_t0']:>9.3f}")
+    print(json.dumps({"bench": "dspark_scaling", "cpu": args.cpu, "points": points}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
