@@ -233,3 +233,21 @@ def test_peers_run_only_the_cells_they_have_the_feature_for():
                     assert runs == (lane == "serial") and runs_asked
                     if not runs:
                         assert "--peer-batch" in peer_cell_skipped(key, peer_batch=False)
+
+
+def test_quick_runs_one_short_repeat_on_the_outer_lanes_unless_told_otherwise(eval_dir, tmp_path):
+    """--quick (the ~10 minute run): 1 repeat, 1 prompt a workload, shorter chat / long answers,
+    lanes serial and batch8; flags given explicitly win over it."""
+    from verispec.bench.cli import matrix_options
+    from verispec.cli import build_parser
+
+    def options(*flags):
+        return matrix_options(build_parser().parse_args(["bench", "matrix", "--eval-dir", str(eval_dir), "--out",
+                                                         str(tmp_path), *flags]))
+
+    full, quick = options(), options("--quick")
+    assert (full.repeats, full.prompts, full.lanes) == (3, 4, ["serial", "batch4", "batch8"])
+    assert (quick.repeats, quick.prompts, quick.lanes) == (1, 1, ["serial", "batch8"])
+    assert quick.max_tokens == {"chat": 64, "long": 128, "json": 256} and full.max_tokens == {}
+    told = options("--quick", "--lanes", "batch4", "--repeats", "2", "--max-tokens", "chat=16")
+    assert (told.repeats, told.lanes, told.max_tokens["chat"]) == (2, ["batch4"], 16)

@@ -141,6 +141,9 @@ def test_forced_modes(folders):
     onednn = load_folder(folder, dtype=torch.float32, kernels="onednn", quant="none")
     assert set(onednn.kernel_plan.linear.values()) <= {"onednn", "aten"} and onednn.attention_kernel == "sdpa"
     assert not onednn.kernel_plan.invariant
+    for quant in ("auto", "q8_0"):  # PyTorch's kernels take no quantized weights: the dtype's, whatever --quant says
+        plan = load_folder(folder, dtype=torch.float32, kernels="onednn", quant=quant).kernel_plan
+        assert set(plan.linear.values()) <= {"onednn", "aten"} and set(plan.formats.values()) <= {"float32"}
     quant = load_folder(folder, dtype=torch.float32, kernels="invariant", quant="q8_0")
     assert all(k.startswith("q8_0") for k in quant.kernel_plan.linear.values()) and quant.kernel_plan.invariant
     from verispec.errors import UserError

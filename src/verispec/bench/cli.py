@@ -23,7 +23,7 @@ what runs:
 
 examples:
   verispec bench matrix                                   both embedded models, every cell, peers
-  verispec bench matrix --quick                           one repeat, fewer tokens: ~10 minutes
+  verispec bench matrix --quick                           one repeat, fewer tokens, 2 lanes: ~10 minutes
   verispec bench matrix -m smollm2-135m-instruct --arms none,ngram --lanes serial
   verispec bench matrix --skip batch8 --skip grammar      drop cells by lane, arm, workload, 'grammar'
   verispec bench matrix --skip 'ngram:batch4:*'           ... or by arm:lane:workload ('*' = any)
@@ -34,7 +34,10 @@ output: matrix.md (the table), cells.jsonl (one JSON line per cell, also printed
 heatmap-MODEL.png and bars-MODEL.png in --out, and the servers' logs in --out/logs.
 """
 
-QUICK = {"repeats": 1, "prompts": 1, "max_tokens": {"chat": 64, "long": 128, "json": 256}}
+# --quick: every arm, workload and grammar setting, and the two outer lanes (batch4 lies between
+# them; on an AVX2 host the three lanes took 14.2 min for both models)
+QUICK = {"repeats": 1, "prompts": 1, "max_tokens": {"chat": 64, "long": 128, "json": 256}, "lanes": "serial,batch8"}
+LANES_DEFAULT = "serial,batch4,batch8"
 
 
 def add_bench_parser(sub, formatter) -> None:
@@ -53,7 +56,7 @@ def add_bench_parser(sub, formatter) -> None:
     m.add_argument("--arms", default="none,ngram,dspark,default", help="verispec arms (default: all four)")
     m.add_argument("--peers", default="llama.cpp,llama.cpp-lookup,transformers",
                    help="peers to run beside verispec ('none' for none; default: all three)")
-    m.add_argument("--lanes", default="serial,batch4,batch8", help="lanes (default: serial,batch4,batch8)")
+    m.add_argument("--lanes", default=LANES_DEFAULT, help="lanes (default: serial,batch4,batch8; --quick: serial,batch8)")
     m.add_argument("--workloads", default="chat,long,json", help="workloads (default: chat,long,json)")
     m.add_argument("--grammar", default="off,on", help="grammar settings for the json workload (default: off,on)")
     m.add_argument("--skip", action="append", default=[], metavar="CELLS",
@@ -66,7 +69,7 @@ def add_bench_parser(sub, formatter) -> None:
                    help="max_tokens of a workload (defaults: chat=128, long=512, json=256)")
     m.add_argument("--quick", action="store_true",
                    help="1 repeat, 1 prompt per workload (lanes still send one request per client), chat 64 / long "
-                        "128 tokens: both models in about 10 minutes")
+                        "128 tokens, lanes serial and batch8: both models in about 10 minutes")
     m.add_argument("--peer-batch", action="store_true",
                    help="also run llama.cpp's batch lanes: llama-cpp-python's server answers one request at a time, "
                         "so they measure its queue (slowly: they double a full run's peer time); off by default")
@@ -149,7 +152,7 @@ def matrix_options(args):
         models=models,
         arms=names(args.arms, ARMS, "arm"),
         peers=[] if args.url else names(args.peers, PEER_ARMS, "peer"),
-        lanes=names(args.lanes, tuple(LANES), "lane"),
+        lanes=names(quick.get("lanes", args.lanes) if args.lanes == LANES_DEFAULT else args.lanes, tuple(LANES), "lane"),
         workloads=names(args.workloads, WORKLOADS, "workload"),
         grammar=[grammar[s] for s in settings],
         repeats=repeats, prompts=prompts, max_tokens=max_tokens, threads=args.threads, draft_model=args.draft_model,

@@ -251,7 +251,7 @@ def measure_plan(model, dtype: torch.dtype, quant: str = "auto", mode: str = "au
                    **(formats or {})}
     elif quant == "none":
         formats = {}
-    formats = dict(formats or {})
+    formats = dict(formats or {}) if mode != "onednn" else {}  # PyTorch's kernels run the dtype's weights only
     timings: dict[str, dict] = {}
     for role, layers in roles.items():
         if not layers:
@@ -287,7 +287,7 @@ def measure_plan(model, dtype: torch.dtype, quant: str = "auto", mode: str = "au
     cost = (total(invariant, "invariant") / total(fastest, fastest_att) - 1) if can_invariant else None
     if mode == "onednn":
         choice, att = {r: "onednn" if "onednn" in timings[r] else "aten" for r in timings}, "sdpa"
-        note = "PyTorch-only kernels (--kernels onednn)"
+        note = "PyTorch-only kernels (--kernels onednn; weights in the dtype, whatever --quant says)"
     elif mode == "invariant" or (mode == "auto" and can_invariant):
         if not can_invariant:
             from verispec.errors import UserError
