@@ -87,3 +87,38 @@ def test_rows_batched_together_give_what_they_give_alone(served):
         engine.step()  # staggered joins: prefill chunks beside decoding rows
     engine.run_until_idle()
     assert [c.result(0).token_ids for c in collectors] == alone
+
+
+# a base model's raw completions (BOS + text), as /v1/completions serves them
+GEMMA_PROMPTS = ["The history of the printing press begins", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.",
+                 "Paris is the capital of France. Paris is the capital of"]
+
+
+def test_gemma_serves_its_default_speculation_token_identical_to_plain(gemma_folder):
+    """gemma3-270m speculates with n-gram by default (its catalog entry, measured by bench
+    matrix); on its served plan that must not change a token. Oracle: the same engine and plan
+    without speculation, greedy."""
+    from verispec import kernels
+    from verispec.drafting.factory import build_drafter
+    from verispec.models.loader import load_for_serving
+    from verispec.models.tokenizer import encode_prompt
+
+    if not kernels.available():
+        pytest.skip("verispec's kernels could not be built here: no batch-invariant plan")
+    loaded = load_for_serving("gemma3-270m", progress=False)
+    if not loaded.model.kernel_plan.invariant:
+        pytest.skip(f"the measured plan is not batch-invariant here: {loaded.model.kernel_plan.note}")
+    drafter = build_drafter(loaded, None, None, loaded.model.dtype)
+    assert drafter is not None and type(drafter).__name__ == "NgramProvider", "gemma's default is n-gram"
+
+    def outputs(provider):
+        engine = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, EngineConfig(kv_budget=2**30),
+                        drafter=provider)
+        outs = [engine.generate(GenerationRequest(encode_prompt(loaded.tokenizer, p), 40)).token_ids
+                for p in GEMMA_PROMPTS]
+        return outs, engine
+
+    plain, _ = outputs(None)
+    spec, engine = outputs(drafter)
+    assert engine.drafting.totals.accepted > 0, "n-gram drafts were accepted"
+    assert spec == plain
