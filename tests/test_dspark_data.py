@@ -130,6 +130,47 @@ def test_a_base_model_continues_each_user_turn_as_raw_text(tmp_path):
     assert (tmp_path / "raw.jsonl").read_text() == (tmp_path / "base.jsonl").read_text()
 
 
+@needs_eval
+def test_an_answer_that_shares_8_words_with_an_eval_prompt_is_never_kept(tmp_path, capsys, monkeypatch):
+    """Datagen checks each generated answer too (a prompt can be clean and its answer not): such
+    a record is written without its answer, so a rerun skips it and nothing trains on it; `pack`
+    leaves out any record whose prompt or answer text shares an eval prompt's 8-word run.
+    Oracles: the word-tuple check the committed-data test uses; a rerun's output."""
+    from verispec.training.dspark.features import read_records
+    from verispec.training.dspark.pack import read_pack
+
+    _conversations(tmp_path / "convs.jsonl", "a plain third turn about t3")
+    argv = ["dspark", "datagen", "-m", str(ORACLE / "target"), "--prompts", str(tmp_path / "convs.jsonl"),
+            "--max-tokens", "16", "--dtype", "float32", "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "clean.jsonl")]) == 0
+    clean = [json.loads(line) for line in (tmp_path / "clean.jsonl").read_text().splitlines()]
+    # pretend one record's answer (to its prompt, and only there) carries an eval prompt's 8 words
+    prompt, marked = clean[1]["prompt"], clean[1]["answer"]
+    real = decontaminate.contaminated
+    monkeypatch.setattr(decontaminate, "contaminated",
+                        lambda *texts: (texts[-2:] == (prompt, marked)) or real(*texts))
+    out = tmp_path / "answers.jsonl"
+    assert main([*argv, "--out", str(out)]) == 0
+    assert "1 answers left out" in capsys.readouterr().err
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(got) == len(clean) and sum("left_out" in r and "answer_ids" not in r for r in got) == 1
+    assert [r["id"] for r in read_records(out)] == [r["id"] for r in clean if r["prompt"] != prompt]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == len(clean), "a rerun does not generate the left-out answer again"
+    monkeypatch.undo()
+    # pack: a record whose answer quotes an eval prompt is left out, whatever wrote it
+    eval_prompt = decontaminate.eval_turns(EVAL_DIR)[7]
+    records = [dict(r) for r in clean]
+    records[0]["answer"] = "Sure. " + eval_prompt
+    assert _overlaps(records[0]["answer"], _eval_ngrams())
+    (tmp_path / "quoted.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    pack = tmp_path / "quoted.pack.xz"
+    assert main(["dspark", "pack", "--data", str(tmp_path / "quoted.jsonl"), "--out", str(pack),
+                 "--vocab-size", "512"]) == 0
+    assert "1 records left out" in capsys.readouterr().err
+    assert [r["id"] for r in read_pack(pack)[1]] == [r["id"] for r in records[1:]]
+
+
 def test_a_pack_holds_exactly_the_records_and_grows_by_the_new_ones(tmp_path, capsys):
     from verispec.training.dspark.features import read_records
     from verispec.training.dspark.pack import read_pack

@@ -26,7 +26,9 @@ served and measured) and its continuation as the answer.
 Deduplicated by prompt, resumable (records already in the output are skipped, a line torn by
 an interruption is dropped), a progress bar with ETA. Never the benchmark prompts: a prompt
 file under a folder named `eval-prompts` is refused, and any prompt sharing an 8-word run with
-an eval prompt is left out (data/decontaminate.py; the count is reported).
+an eval prompt is left out (data/decontaminate.py; the count is reported), and so is an answer
+that shares one (written as a record without an answer, `left_out` saying why, so a rerun
+skips it; `pack` and training read only records with answers).
 """
 
 from __future__ import annotations
@@ -276,7 +278,7 @@ def run_datagen(args) -> int:
     finished: list[tuple[dict, object]] = []
     pending = iter(todo)
     in_flight = 0
-    tokens = written = 0
+    tokens = written = answers_left_out = 0
     start = time.perf_counter()
     deadline = start + args.max_minutes * 60 if args.max_minutes else None
     stopped_early = False
@@ -313,6 +315,14 @@ def run_datagen(args) -> int:
                 ids = list(completion.token_ids)
                 if completion.finish_reason == "stop" and eos is not None:
                     ids.append(eos)
+                if contaminated(*record_texts(record), completion.text):
+                    # the answer itself shares an 8-word run with an eval prompt: kept as a record
+                    # without an answer, so a rerun does not generate it again and nothing trains on it
+                    f.write(json.dumps({"id": record["id"], "source": record["source"],
+                                        "left_out": "its answer shares an 8-word run with an eval prompt"}) + "\n")
+                    f.flush()
+                    answers_left_out += 1
+                    continue
                 record.update(answer_ids=ids, answer=completion.text, finish_reason=completion.finish_reason)
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
                 f.flush()
@@ -322,10 +332,18 @@ def run_datagen(args) -> int:
             finished.clear()
     print(f"datagen: wrote {written} records, {tokens} answer tokens in {time.perf_counter() - start:.0f} s -> {out}",
           file=sys.stderr)
+    if answers_left_out:
+        print(f"datagen: {answers_left_out} answers left out: they share an 8-word run with an eval prompt",
+              file=sys.stderr)
     if stopped_early:
         print(f"datagen: stopped after --max-minutes {args.max_minutes:g}; rerun the same command to continue",
               file=sys.stderr)
     return 0
+
+
+def record_texts(record: dict) -> list[str]:
+    """A datagen record's prompt texts: the conversation it continues, else its prompt."""
+    return [m["content"] for m in record["messages"]] if record.get("messages") else [record.get("prompt") or ""]
 
 
 def _collect(record: dict, finished: list):

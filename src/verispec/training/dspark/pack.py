@@ -76,6 +76,8 @@ def read_pack(path: Path) -> tuple[dict, list[dict]]:
 
 
 def run_pack(args) -> int:
+    from verispec.data.decontaminate import contaminated
+    from verispec.training.dspark.datagen import record_texts
     from verispec.training.dspark.features import read_records
 
     out = Path(args.out)
@@ -90,6 +92,13 @@ def run_pack(args) -> int:
         raise UserError("--vocab-size is needed for a new pack (the target tokenizer's; it sets the id width)")
     have = {r["id"] for r in existing}
     added = [r for r in read_records(Path(args.data), min_loss_tokens=0) if r["id"] not in have and "answer_ids" in r]
+    # never keep an eval prompt's 8-word run, in a prompt or in an answer (datagen filters both;
+    # this also holds for data made before it filtered answers, or by other tools)
+    fresh = [r for r in added if not contaminated(*record_texts(r), r.get("answer") or "")]
+    if len(fresh) < len(added):
+        print(f"pack: {len(added) - len(fresh)} records left out: they share an 8-word run with an eval prompt",
+              file=sys.stderr)
+    added = fresh
     too_big = [r["id"] for r in added if max(r["prompt_ids"] + r["answer_ids"], default=0) >= vocab]
     if too_big:
         raise UserError(f"{args.data}: record {too_big[0]} has token ids beyond the vocabulary of {vocab}")
