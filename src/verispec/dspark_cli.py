@@ -126,8 +126,11 @@ a whole run for the default model (each command can be stopped and rerun; README
     tr.add_argument("--lr", type=float, default=2e-3,
                     help="peak learning rate (default 2e-3: faster than DeepSpec's 6e-4 at this batch size, README)")
     tr.add_argument("--clip", type=float, default=1.0)
-    tr.add_argument("--fp32", action="store_true",
-                    help="forward in float32 (default: bf16 autocast with float32 master weights, 2x faster here)")
+    tr.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                    help="the forward's precision (float32 master weights either way): auto (default) times both once "
+                         "per machine and caches the choice; bf16 autocast halves a step where the CPU has native "
+                         "bf16 (AVX512-BF16, AMX) and is ~20x slower where it is emulated (AVX2)")
+    tr.add_argument("--fp32", action="store_true", help="the same as --precision fp32")
     tr.add_argument("--seed", type=int, default=42)
     tr.add_argument("--holdout", type=int, default=0,
                     help="keep the last N sequences of the first --features folder out of training and report "

@@ -9,8 +9,9 @@
   and its first label are answer tokens); the loss is 0.1 CE + 0.9 L1 + 1.0 BCE with
   exp(-j/4) position weights (loss.py), as weighted means over the whole global batch.
 * AdamW (lr 2e-3 by default, no weight decay), linear warm-up over 4% of the steps then cosine to 0,
-  gradient clipping at 1.0, float32 master weights, the forward under bf16 autocast
-  (`--fp32` turns it off; on this CPU a step of 16 sequences took 1.8 s against 3.6 s).
+  gradient clipping at 1.0, float32 master weights, the forward under bf16 autocast where the
+  CPU measures it faster (`--precision`, training/dspark/precision.py: 1.8 s against 3.6 s a
+  step on an AVX512-BF16 host, 50 s against 2.4 s on an AVX2-only one, where it is emulated).
   DeepSpec's 6e-4 is tuned for 512-sequence batches over 24k steps; with 16-sequence
   batches and ~2k steps, 2e-3 learned faster here (training acceptance at step 100,
   slots 1-4: 0.18/0.13/0.13/0.11 against 0.17/0.09/0.09/0.08 at 6e-4; README).
@@ -55,6 +56,7 @@ from safetensors.torch import load_file, save_file
 from verispec.errors import UserError
 from verispec.training.dspark.forward import block_labels, sample_anchors, train_forward
 from verispec.training.dspark.loss import dspark_loss, weight_sums
+from verispec.training.dspark.precision import training_precision
 
 STATE = "trainer/state.safetensors"  # a subfolder: the model folder itself holds only the model
 
@@ -193,6 +195,7 @@ class TrainRun:
     total: int
     step: int
     deadline: float | None
+    precision: str = "bf16"  # the forward's: "bf16" (autocast) or "fp32"
 
     @property
     def metrics_path(self) -> Path:
@@ -274,13 +277,16 @@ def setup(args) -> TrainRun:
         raise UserError(f"{len(cache)} sequences do not make one global batch of {args.batch}")
     total = args.steps or steps_per_epoch * args.epochs
     step = _load_optimizer(optimizer, params, drafter, latest) if latest is not None else 0
+    precision, why = training_precision("fp32" if getattr(args, "fp32", False) else getattr(args, "precision", "auto"), drafter.device)
+    if world.all_sum([float(precision == "bf16")])[0] not in (0.0, world.world):
+        precision, why = "fp32", "the ranks measured differently"  # every rank computes alike
     if world.main:
         print(f"train: {len(cache)} sequences, {total} steps of {args.batch} (world {world.world}), "
-              f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, starting at step {step}",
-              file=sys.stderr)
+              f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters, starting at step {step}; "
+              f"forward in {precision} ({why})", file=sys.stderr)
     deadline = time.monotonic() + args.max_minutes * 60 if args.max_minutes else None
     return TrainRun(args, world, cache, out, config, drafter, view, target_head, optimizer, params, holdout,
-                    train_ids, steps_per_epoch, total, step, deadline)
+                    train_ids, steps_per_epoch, total, step, deadline, precision)
 
 
 def train_step(run: TrainRun) -> dict:
@@ -309,7 +315,8 @@ def train_step(run: TrainRun) -> dict:
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     run.optimizer.zero_grad(set_to_none=True)
-    autocast = contextlib.nullcontext() if args.fp32 else torch.autocast(run.drafter.device.type, dtype=torch.bfloat16)
+    autocast = (torch.autocast(run.drafter.device.type, dtype=torch.bfloat16) if run.precision == "bf16"
+                else contextlib.nullcontext())
     totals = Counter()
     tokens = 0
     for i, (sample, anchors, keep) in enumerate(prepared):
