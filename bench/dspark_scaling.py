@@ -5,8 +5,10 @@ Every point trains `verispec dspark train` for the same `--steps` x `--batch` se
 first N records of a regenerated pack (nested subsets, `train --limit`), with the same 100
 held-out records (the pack's last) for teacher-forced tau (`validation.jsonl` at the last step),
 then decodes `--live` held-out ShareGPT first turns (the file's last ones, never a prompt of the
-pack, never the eval prompts) with `dspark measure` at T=0 for live tau; the first point also
-measures n-gram on them, the weightless line to beat. The default grid is the issue's:
+pack, never the eval prompts) with `dspark measure --fixed-draft` at T=0 for live tau: every round
+verifies a full block, so the number is the drafter's, not the cost policy's (which, on a weak
+drafter, stops drafting and reports tau ~1); the first point also measures n-gram on them, the
+weightless line to beat. The default grid is the issue's:
 
     size     regenerated answers, 1 draft layer, 16k draft vocabulary, at --sizes (1000,2500,5000,10000)
     source   at --pivot sequences: ShareGPT's own answers (--sharegpt), and a half/half mix
@@ -117,14 +119,14 @@ def run_point(p: dict, args, features: dict, eval_dir: Path, deadline: float) ->
     val = [json.loads(line) for line in (run / "validation.jsonl").read_text().splitlines()][-1]
     measure = ["dspark", "measure", "-m", args.model, "--drafter", str(run), "--eval-dir", str(eval_dir),
                "--datasets", "sharegpt-heldout", "--per-dataset", str(args.live), "--temperatures", "0",
-               "--max-tokens", str(args.max_tokens), "--out", str(run / "measure"), "--quiet",
+               "--max-tokens", str(args.max_tokens), "--out", str(run / "measure"), "--quiet", "--fixed-draft",
                "--threads", str(args.threads)]
     first = not any(True for _ in _points(args.results))
     cli([*measure, *(["--with-ngram"] if first else [])])
     row = json.loads((run / "measure" / "measure.json").read_text())["rows"][0]
     record = {**p, "steps": args.steps, "batch": args.batch, "tau_teacher_forced": round(val["tau_probabilistic"], 3),
               "accept_by_position": val["accept_by_position"], "tau_live_t0": round(row["tau"], 3),
-              "live_prompts": args.live, "train_minutes_this_run": round(train_minutes, 1),
+              "live_prompts": args.live, "live_policy": "fixed-draft", "train_minutes_this_run": round(train_minutes, 1),
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"), "cpu": args.cpu}
     if first:
         record["ngram_tau_live_t0"] = round(row["ngram_tau"], 3)
