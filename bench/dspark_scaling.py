@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import sys
 import time
 from datetime import datetime, timezone
@@ -60,7 +61,12 @@ def grid(args) -> list[dict]:
         points += [{**pivot, "source": "sharegpt"}, {**pivot, "source": "mix"}]
     points += [{**pivot, "layers": 2}, {**pivot, "draft_vocab": 8192}, {**pivot, "draft_vocab": 0}]
     for p in points:
-        p["key"] = f"{p['source']}-n{p['sequences']}-L{p['layers']}-v{p['draft_vocab']}-s{args.steps}x{args.batch}"
+        p["steps"] = args.steps
+    # the compute axis: the same recipe at other step counts, at the smallest and largest size
+    ends = sorted({min(args.sizes), max(args.sizes)})
+    points += [{**base, "sequences": n, "steps": s} for s in args.compute_steps for n in ends if s != args.steps]
+    for p in points:
+        p["key"] = f"{p['source']}-n{p['sequences']}-L{p['layers']}-v{p['draft_vocab']}-s{p['steps']}x{args.batch}"
     return points
 
 
@@ -109,11 +115,11 @@ def run_point(p: dict, args, features: dict, eval_dir: Path, deadline: float) ->
     start = time.perf_counter()
     # the held-out records are the last HOLDOUT of the first folder (the regenerated pack for mix)
     cli(["dspark", "train", "--features", ",".join(map(str, folders)), "--out", str(run), "--limit",
-         str(p["sequences"]), "--holdout", str(HOLDOUT), "--steps", str(args.steps), "--batch", str(args.batch),
+         str(p["sequences"]), "--holdout", str(HOLDOUT), "--steps", str(p["steps"]), "--batch", str(args.batch),
          "--layers", str(p["layers"]), "--draft-vocab", str(p["draft_vocab"]), "--save-every", "100",
          "--max-minutes", f"{left:.2f}", "--threads", str(args.threads), "--log-every", "1000"])
     state = json.loads((run / (run / "latest").read_text().strip() / "trainer" / "state.json").read_text())
-    if state["step"] < args.steps:
+    if state["step"] < p["steps"]:
         return None  # out of time: the next run resumes this point
     train_minutes = (time.perf_counter() - start) / 60
     val = [json.loads(line) for line in (run / "validation.jsonl").read_text().splitlines()][-1]
@@ -124,7 +130,7 @@ def run_point(p: dict, args, features: dict, eval_dir: Path, deadline: float) ->
     first = not any(True for _ in _points(args.results))
     cli([*measure, *(["--with-ngram"] if first else [])])
     row = json.loads((run / "measure" / "measure.json").read_text())["rows"][0]
-    record = {**p, "steps": args.steps, "batch": args.batch, "tau_teacher_forced": round(val["tau_probabilistic"], 3),
+    record = {**p, "batch": args.batch, "tau_teacher_forced": round(val["tau_probabilistic"], 3),
               "accept_by_position": val["accept_by_position"], "tau_live_t0": round(row["tau"], 3),
               "live_prompts": args.live, "live_policy": "fixed-draft", "train_minutes_this_run": round(train_minutes, 1),
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"), "cpu": args.cpu}
@@ -137,13 +143,94 @@ def _points(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
+ANSWERS_PER_HOUR = 1456  # datagen, batch 64, AMD EPYC AVX2 (docs/dspark-campaign.md, stage 1)
+FEATURE_SECONDS_PER_SEQUENCE = 1.25  # dspark features, same machine (stage 3)
+
+
+def _size_curve(points: list[dict]) -> list[dict]:
+    """The data axis: regenerated answers, 1 layer, 16k vocabulary, at the most common step count."""
+    base = [p for p in points if p["source"] == "regenerated" and p["layers"] == 1 and p["draft_vocab"] == 16384]
+    if not base:
+        return []
+    steps = max({p["steps"] for p in base}, key=lambda s: sum(p["steps"] == s for p in base))
+    return sorted((p for p in base if p["steps"] == steps), key=lambda p: p["sequences"])
+
+
+def _slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys against log2(xs): tau gained per doubling."""
+    lx = [math.log2(x) for x in xs]
+    mx, my = sum(lx) / len(lx), sum(ys) / len(ys)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ys)) / sum((a - mx) ** 2 for a in lx)
+
+
+def fit(points: list[dict], gain: float = 0.5) -> dict:
+    """What the curve says the next `gain` of tau costs: tau per doubling of distinct sequences
+    at fixed compute (log-linear least squares over the size curve), and per doubling of
+    optimizer steps at fixed data (the sizes measured at more than one step count), each turned
+    into the factor that many doublings mean and the CPU hours of this machine it would take. A
+    log-linear extrapolation past the measured range: a rate, not a promise."""
+    out: dict = {}
+    curve = _size_curve(points)
+    if len(curve) >= 2:
+        n, top = [p["sequences"] for p in curve], curve[-1]
+        for key in ("tau_teacher_forced", "tau_live_t0"):
+            b = _slope(n, [p[key] for p in curve])
+            entry = {"per_doubling": round(b, 4), "points": len(curve), "steps": top["steps"]}
+            if b > 0:
+                factor = 2 ** (gain / b)
+                more = top["sequences"] * (factor - 1)
+                entry |= {"factor_for_gain": round(factor, 1),
+                          "cpu_hours_for_gain": round(more / ANSWERS_PER_HOUR + more * FEATURE_SECONDS_PER_SEQUENCE / 3600, 1)}
+            out[f"data_{key}"] = entry
+    by_size: dict[int, list[dict]] = {}
+    for p in points:
+        if p["source"] == "regenerated" and p["layers"] == 1 and p["draft_vocab"] == 16384:
+            by_size.setdefault(p["sequences"], []).append(p)
+    compute = {}
+    for size, ps in sorted(by_size.items()):
+        if len({p["steps"] for p in ps}) < 2:
+            continue
+        ps = sorted(ps, key=lambda p: p["steps"])
+        entry = {}
+        for key in ("tau_teacher_forced", "tau_live_t0"):
+            b = _slope([p["steps"] for p in ps], [p[key] for p in ps])
+            entry[key] = {"per_doubling": round(b, 4)}
+            minutes = [p.get("train_minutes") or p.get("train_minutes_this_run") for p in ps]
+            if b > 0 and minutes[-1]:
+                factor = 2 ** (gain / b)
+                entry[key] |= {"factor_for_gain": round(factor, 1),
+                               "cpu_hours_for_gain": round(minutes[-1] * (factor - 1) / 60, 1)}
+        compute[size] = {"steps": [p["steps"] for p in ps], **entry}
+    if compute:
+        out["compute"] = compute
+    return out
+
+
+def _fit_lines(f: dict, gain: float = 0.5) -> list[str]:
+    lines = []
+    for key, name in (("tau_teacher_forced", "teacher-forced"), ("tau_live_t0", "live")):
+        d = f.get(f"data_{key}")
+        if d:
+            tail = (f", +{gain} needs x{d['factor_for_gain']:.3g} the data (~{d['cpu_hours_for_gain']:.3g} CPU h of datagen "
+                    f"and features here)" if "factor_for_gain" in d else ", no gain")
+            lines.append(f"data ({d['points']} sizes at {d['steps']} steps), {name}: {d['per_doubling']:+.3f} tau "
+                         f"per doubling{tail}")
+    for size, c in f.get("compute", {}).items():
+        for key, name in (("tau_teacher_forced", "teacher-forced"), ("tau_live_t0", "live")):
+            d = c[key]
+            tail = (f", +{gain} needs x{d['factor_for_gain']:.3g} the steps (~{d['cpu_hours_for_gain']:.3g} CPU h of "
+                    f"training here)" if "factor_for_gain" in d else ", no gain")
+            lines.append(f"compute ({size} sequences, steps {c['steps']}), {name}: {d['per_doubling']:+.3f} tau per "
+                         f"doubling{tail}")
+    return lines
+
+
 def plot(points: list[dict], png: Path) -> None:
     from verispec.plots import pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
-    curve = sorted((p for p in points if p["source"] == "regenerated" and p["layers"] == 1
-                    and p["draft_vocab"] == 16384), key=lambda p: p["sequences"])
+    curve = _size_curve(points)
     for key, label, style in (("tau_teacher_forced", "teacher-forced (held-out records)", "o-"),
                               ("tau_live_t0", "live, T=0 (held-out ShareGPT)", "s-")):
         ax.plot([p["sequences"] for p in curve], [p[key] for p in curve], style, label=f"regenerated, {label}")
@@ -151,7 +238,8 @@ def plot(points: list[dict], png: Path) -> None:
         if p in curve:
             continue
         name = (p["source"] if p["source"] != "regenerated" else
-                f"{p['layers']} layers" if p["layers"] != 1 else f"vocab {p['draft_vocab'] or 'full'}")
+                f"{p['layers']} layers" if p["layers"] != 1 else
+                f"vocab {p['draft_vocab'] or 'full'}" if p["draft_vocab"] != 16384 else f"{p['steps']} steps")
         ax.plot([p["sequences"]], [p["tau_live_t0"]], "x", markersize=9, label=f"{name} (live)")
     ngram = next((p["ngram_tau_live_t0"] for p in points if "ngram_tau_live_t0" in p), None)
     if ngram:
@@ -176,6 +264,9 @@ def main() -> int:
     ap.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[1000, 2500, 5000, 10000])
     ap.add_argument("--pivot", type=int, default=2500, help="the size the other points use (default 2500)")
     ap.add_argument("--steps", type=int, default=600, help="optimizer steps per point (default 600)")
+    ap.add_argument("--compute-steps", type=lambda s: [int(x) for x in s.split(",") if x], default=[],
+                    help="the compute axis: also train the smallest and largest size for these step counts "
+                    "(e.g. 150,600), so the curve says whether data or steps buy more tau")
     ap.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
     ap.add_argument("--live", type=int, default=24, help="held-out prompts decoded live (default 24)")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -222,7 +313,10 @@ def main() -> int:
     print(f"{'point':<44}{'tau tf':>8}{'tau live':>9}")
     for p in points:
         print(f"{p['key']:<44}{p['tau_teacher_forced']:>8.3f}{p['tau_live_t0']:>9.3f}")
-    print(json.dumps({"bench": "dspark_scaling", "cpu": args.cpu, "points": points}))
+    f = fit(points)
+    for line in _fit_lines(f):
+        print(line)
+    print(json.dumps({"bench": "dspark_scaling", "cpu": args.cpu, "points": points, "fit": f}))
     return 0
 
 
