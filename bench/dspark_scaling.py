@@ -181,6 +181,8 @@ def fit(points: list[dict], gain: float = 0.5) -> dict:
                 more = top["sequences"] * (factor - 1)
                 entry |= {"factor_for_gain": round(factor, 1),
                           "cpu_hours_for_gain": round(more / ANSWERS_PER_HOUR + more * FEATURE_SECONDS_PER_SEQUENCE / 3600, 1)}
+                # at fixed compute a step sees `batch` sequences: past steps x batch, data goes unseen
+                entry["unseen_at_this_compute"] = top["sequences"] * factor > top["steps"] * top.get("batch", 16)
             out[f"data_{key}"] = entry
     by_size: dict[int, list[dict]] = {}
     for p in points:
@@ -212,7 +214,8 @@ def _fit_lines(f: dict, gain: float = 0.5) -> list[str]:
         d = f.get(f"data_{key}")
         if d:
             tail = (f", +{gain} needs x{d['factor_for_gain']:.3g} the data (~{d['cpu_hours_for_gain']:.3g} CPU h of datagen "
-                    f"and features here)" if "factor_for_gain" in d else ", no gain")
+                    f"and features here" + ("; more than this compute ever reads: data alone cannot buy it)"
+                                            if d["unseen_at_this_compute"] else ")") if "factor_for_gain" in d else ", no gain")
             lines.append(f"data ({d['points']} sizes at {d['steps']} steps), {name}: {d['per_doubling']:+.3f} tau "
                          f"per doubling{tail}")
     for size, c in f.get("compute", {}).items():

@@ -39,6 +39,8 @@ def test_the_fit_recovers_a_known_log_linear_curve_and_prices_the_next_half_tau(
     more = 1600 * (2 ** 5 - 1)
     assert tf["cpu_hours_for_gain"] == pytest.approx(more / scaling.ANSWERS_PER_HOUR
                                                      + more * scaling.FEATURE_SECONDS_PER_SEQUENCE / 3600, abs=0.05)
+    # 32x 1600 sequences is past the 300 x 16 this compute reads; 4 sequences a doubling would not be
+    assert tf["unseen_at_this_compute"] and "data alone cannot buy it" in scaling._fit_lines(f)[0]
     c = f["compute"][1600]
     assert c["steps"] == [300, 600]
     assert c["tau_teacher_forced"]["per_doubling"] == pytest.approx(0.125)
