@@ -126,7 +126,10 @@ def run_point(p: dict, args, features: dict, eval_dir: Path, deadline: float) ->
     measure = ["dspark", "measure", "-m", args.model, "--drafter", str(run), "--eval-dir", str(eval_dir),
                "--datasets", "sharegpt-heldout", "--per-dataset", str(args.live), "--temperatures", "0",
                "--max-tokens", str(args.max_tokens), "--out", str(run / "measure"), "--quiet", "--fixed-draft",
-               "--threads", str(args.threads)]
+               "--threads", str(args.threads),
+               # one fixed target for every point: float32 on PyTorch's kernels, what `measure` ran before it
+               # took the served plan (greedy tokens identical to it, checked on SmolLM2); points compare tau
+               "--dtype", "float32", "--kernels", "onednn", "--quant", "none"]
     first = not any(True for _ in _points(args.results))
     cli([*measure, *(["--with-ngram"] if first else [])])
     row = json.loads((run / "measure" / "measure.json").read_text())["rows"][0]

@@ -186,6 +186,8 @@ def test_calibrate_writes_thresholds_and_measure_reports(tmp_path):
     assert all(p["tested"] > 50 and 0 <= p["ece"] <= 1 for p in report["positions"])
     assert (drafter / "reliability.png").stat().st_size > 1000
     from verispec.drafting.dspark.checkpoint import load_dspark
+    from verispec.models.loader import load_for_serving
+    from verispec.serve_cli import plan_summary
 
     assert load_dspark(drafter).config.confidence_threshold == config["confidence_threshold"]
     # STS (the default method): one positive temperature per position, fitted on half the prompts
@@ -215,6 +217,9 @@ def test_calibrate_writes_thresholds_and_measure_reports(tmp_path):
         assert 1.0 <= row["ngram_tau"] <= 5.0 and row["ngram_tok_s"] > 0
         assert all(a is None or 0 <= a <= 1 for a in row["acceptance_by_position"])
     assert (drafter / "report.md").read_text().count("| gsm8k |") == 2 and (drafter / "measure.png").is_file()
+    # the target ran the kernel plan `verispec serve` runs, not PyTorch's defaults: speed as served
+    assert measured["target"] == {"dtype": "float32", "plan": plan_summary(load_for_serving(target, "float32"))}
+    assert measured["target"]["plan"] != "PyTorch kernels"
 
     # the threshold rule itself: thin evidence never cuts, a clearly bad region does
     assert fit_threshold([(0.1, False)] * 3, target=0.5, min_evidence=5) == 0.0

@@ -173,7 +173,8 @@ a whole run for the default model (each command can be stopped and rerun; README
     me = stages.add_parser("measure", help="tau, acceptance by position and speed vs plain decoding on the eval prompts",
                            description="Live decoding of DeepSpec's eval prompts with and without the drafter in the "
                            "same run: per dataset tau, conditional acceptance by position, decode tok/s; a markdown "
-                           "table and PNG plots.")
+                           "table and PNG plots. The target runs the plan `verispec serve` runs (the kernels and "
+                           "weight formats measured for this machine), so the speedups are the served ones.")
     me.add_argument("--drafter", required=True,
                     help="DSpark checkpoint folder, or a train --out folder for its newest checkpoint")
     me.add_argument("--eval-dir", default=None, help="folder of mt-bench.jsonl, gsm8k.jsonl, ... (default: ../shared/eval-prompts)")
@@ -186,6 +187,9 @@ a whole run for the default model (each command can be stopped and rerun; README
                     help="also decode every prompt with n-gram drafting, the weightless reference (same policy)")
     me.add_argument("--out", default=None, help="report folder (default: the drafter's)")
     _target_options(me)
+    from verispec.serve_cli import add_kernel_args
+
+    add_kernel_args(me)  # the served plan by default: speed as `verispec serve` delivers it
 
 
 # stage -> the module under verispec.training.dspark whose run_<stage>(args) carries it out
