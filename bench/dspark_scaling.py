@@ -14,6 +14,16 @@ weightless line to beat. The default grid is the issue's:
     source   at --pivot sequences: ShareGPT's own answers (--sharegpt), and a half/half mix
     layers   at --pivot: 2 draft layers
     vocab    at --pivot: an 8k and the full draft vocabulary
+    compute  with --compute-steps S1,S2: the smallest and largest size again at those step counts
+
+Then a fit (`fit`): tau per doubling of data at fixed compute (log-linear least squares over
+the size points) and per doubling of steps at fixed data (sizes measured at two step counts),
+each priced as the factor and the CPU hours of this machine the next 0.5 of tau would take
+(datagen at 1456 answers/h, features at 1.25 s a sequence, training at the measured minutes):
+the answer the issue asks the curve for. An extrapolation, flagged when the data it asks for
+is more than a point's compute ever reads. The live tau runs one fixed target on every point
+(float32, PyTorch's kernels), not the served plan `measure` defaults to: the curve compares
+drafters, not kernels.
 
 A size larger than the pack holds is skipped (and said). The features of each pack are computed
 once into `--work` (`dspark features`, resumable; ~7 KiB per token on disk) and every point
