@@ -160,9 +160,14 @@ ANSWERS_PER_HOUR = 1456  # datagen, batch 64, AMD EPYC AVX2 (docs/dspark-campaig
 FEATURE_SECONDS_PER_SEQUENCE = 1.25  # dspark features, same machine (stage 3)
 
 
+def _base_recipe(p: dict) -> bool:
+    """Regenerated answers, 1 draft layer, 16k vocabulary: the points the data and compute axes vary."""
+    return p["source"] == "regenerated" and p["layers"] == 1 and p["draft_vocab"] == 16384
+
+
 def _size_curve(points: list[dict]) -> list[dict]:
-    """The data axis: regenerated answers, 1 layer, 16k vocabulary, at the most common step count."""
-    base = [p for p in points if p["source"] == "regenerated" and p["layers"] == 1 and p["draft_vocab"] == 16384]
+    """The data axis: the base recipe at the most common step count."""
+    base = [p for p in points if _base_recipe(p)]
     if not base:
         return []
     steps = max({p["steps"] for p in base}, key=lambda s: sum(p["steps"] == s for p in base))
@@ -198,23 +203,22 @@ def fit(points: list[dict], gain: float = 0.5) -> dict:
                 entry["unseen_at_this_compute"] = top["sequences"] * factor > top["steps"] * top.get("batch", 16)
             out[f"data_{key}"] = entry
     by_size: dict[int, list[dict]] = {}
-    for p in points:
-        if p["source"] == "regenerated" and p["layers"] == 1 and p["draft_vocab"] == 16384:
-            by_size.setdefault(p["sequences"], []).append(p)
+    for p in filter(_base_recipe, points):
+        by_size.setdefault(p["sequences"], []).append(p)
     compute = {}
     for size, ps in sorted(by_size.items()):
         if len({p["steps"] for p in ps}) < 2:
             continue
         ps = sorted(ps, key=lambda p: p["steps"])
+        minutes = ps[-1]["train_minutes_this_run"]  # the longest run's training, priced per repeat
         entry = {}
         for key in ("tau_teacher_forced", "tau_live_t0"):
             b = _slope([p["steps"] for p in ps], [p[key] for p in ps])
             entry[key] = {"per_doubling": round(b, 4)}
-            minutes = [p.get("train_minutes") or p.get("train_minutes_this_run") for p in ps]
-            if b > 0 and minutes[-1]:
+            if b > 0 and minutes:
                 factor = 2 ** (gain / b)
                 entry[key] |= {"factor_for_gain": round(factor, 1),
-                               "cpu_hours_for_gain": round(minutes[-1] * (factor - 1) / 60, 1)}
+                               "cpu_hours_for_gain": round(minutes * (factor - 1) / 60, 1)}
         compute[size] = {"steps": [p["steps"] for p in ps], **entry}
     if compute:
         out["compute"] = compute
@@ -226,9 +230,11 @@ def _fit_lines(f: dict, gain: float = 0.5) -> list[str]:
     for key, name in (("tau_teacher_forced", "teacher-forced"), ("tau_live_t0", "live")):
         d = f.get(f"data_{key}")
         if d:
-            tail = (f", +{gain} needs x{d['factor_for_gain']:.3g} the data (~{d['cpu_hours_for_gain']:.3g} CPU h of datagen "
-                    f"and features here" + ("; more than this compute ever reads: data alone cannot buy it)"
-                                            if d["unseen_at_this_compute"] else ")") if "factor_for_gain" in d else ", no gain")
+            tail = ", no gain"
+            if "factor_for_gain" in d:
+                unseen = "; more than this compute ever reads: data alone cannot buy it" if d["unseen_at_this_compute"] else ""
+                tail = (f", +{gain} needs x{d['factor_for_gain']:.3g} the data (~{d['cpu_hours_for_gain']:.3g} CPU h of "
+                        f"datagen and features here{unseen})")
             lines.append(f"data ({d['points']} sizes at {d['steps']} steps), {name}: {d['per_doubling']:+.3f} tau "
                          f"per doubling{tail}")
     for size, c in f.get("compute", {}).items():

@@ -35,7 +35,7 @@ def run_measure(args) -> int:
     from verispec.engine.sampling import SamplingParams
     from verispec.errors import UserError
     from verispec.models.loader import load_for_serving
-    from verispec.serve_cli import drafter_dtype
+    from verispec.serve_cli import drafter_dtype, plan_summary
     from verispec.models.registry import DEFAULT_MODEL
     from verispec.models.tokenizer import encode_chat
     from verispec.drafting.dspark.checkpoint import load_dspark, newest_checkpoint
@@ -104,8 +104,6 @@ def run_measure(args) -> int:
         if ngram is not None:
             summary[str(temperature)]["ngram_speedup_macro"] = round(
                 sum(r["ngram_speedup"] or 0 for r in mine) / len(mine), 3)
-    from verispec.serve_cli import plan_summary
-
     target = {"dtype": str(loaded.model.dtype).removeprefix("torch."), "plan": plan_summary(loaded)}
     report = _markdown(rows, summary, args, g, target)
     out = Path(args.out) if args.out else newest_checkpoint(Path(args.drafter))
