@@ -105,16 +105,19 @@ def features_for(pack: Path, work: Path, model: str, threads: int) -> Path:
     manifest = out / "manifest.json"
     if not (manifest.is_file() and json.loads(manifest.read_text()).get("complete")):
         print(f"features of {pack} -> {out} (once; resumable)", file=sys.stderr, flush=True)
-        cli(["dspark", "features", "-m", model, "--data", str(pack), "--out", str(out), "--threads", str(threads)])
+        cli(["dspark", "features", "-m", model, "--data", str(pack), "--out", str(out), "--threads", str(threads),
+             "--dtype", "float32"])  # the same on every host (auto picks bf16 where the CPU has it)
     return out
 
 
 def run_point(p: dict, args, features: dict, eval_dir: Path, deadline: float) -> dict | None:
     from verispec.training.dspark.features import FeatureCache
 
-    folders = {"regenerated": [features["regenerated"]], "sharegpt": [features.get("sharegpt")],
-               "mix": [features["regenerated"], features.get("sharegpt")]}[p["source"]]
-    available = sum(len(FeatureCache([f])) for f in folders) - HOLDOUT
+    # the held-out records are always the regenerated pack's last HOLDOUT (the first folder): every
+    # source is validated on the target's own answers; "sharegpt" trains on the second folder only
+    folders = [features["regenerated"], *([features["sharegpt"]] if p["source"] != "regenerated" else [])]
+    trained = {"regenerated": [1], "sharegpt": [2], "mix": [1, 2]}[p["source"]]
+    available = sum(len(FeatureCache([folders[k - 1]])) for k in trained) - HOLDOUT * (1 in trained)
     if available < p["sequences"]:
         print(f"skip {p['key']}: {available} training sequences, fewer than {p['sequences']}", file=sys.stderr)
         return None
@@ -123,9 +126,10 @@ def run_point(p: dict, args, features: dict, eval_dir: Path, deadline: float) ->
     if left < 1:
         return None
     start = time.perf_counter()
-    # the held-out records are the last HOLDOUT of the first folder (the regenerated pack for mix)
+    # float32 pinned: `--precision auto` picks bf16 where the CPU has it, and points must compare across hosts
     cli(["dspark", "train", "--features", ",".join(map(str, folders)), "--out", str(run), "--limit",
-         str(p["sequences"]), "--holdout", str(HOLDOUT), "--steps", str(p["steps"]), "--batch", str(args.batch),
+         str(p["sequences"]), "--train-folders", ",".join(map(str, trained)), "--precision", "fp32",
+         "--holdout", str(HOLDOUT), "--steps", str(p["steps"]), "--batch", str(args.batch),
          "--layers", str(p["layers"]), "--draft-vocab", str(p["draft_vocab"]), "--save-every", "100",
          "--max-minutes", f"{left:.2f}", "--threads", str(args.threads), "--log-every", "1000"])
     state = json.loads((run / (run / "latest").read_text().strip() / "trainer" / "state.json").read_text())

@@ -148,6 +148,25 @@ def test_limit_takes_nested_subsets_shared_evenly_between_sources():
     assert limited(ids, one, 100) == ids and limited(ids, [(0, 20)], 5) == [0, 1, 2, 3, 4]
 
 
+def test_train_folders_pick_the_training_source_and_keep_the_first_folders_holdout():
+    """`train --train-folders` (the scaling curve's source points): training takes only the named
+    folders, the held-out ids stay the first folder's last ones (validation on the target's own
+    answers whatever is trained on), --limit counts within the chosen folders, and a folder
+    number that does not exist is a clear error."""
+    from verispec.errors import UserError
+    from verispec.training.dspark.train import split_ids
+
+    ranges = [(0, 10), (10, 25)]
+    held, ids = split_ids(ranges, 2, "2", None)
+    assert held == [8, 9] and ids == list(range(10, 25))
+    assert split_ids(ranges, 2, "2", 4) == ([8, 9], [10, 11, 12, 13])
+    assert split_ids(ranges, 2, None, None)[1] == [*range(0, 8), *range(10, 25)]
+    assert split_ids(ranges, 0, "1", None) == ([], list(range(10)))
+    for bad in ("3", "0", "two", ","):
+        with pytest.raises(UserError, match="--train-folders"):
+            split_ids(ranges, 2, bad, None)
+
+
 def _weights_init(features, tmp_path):
     out = tmp_path / "zero"
     if not (out / "step_1").is_dir():

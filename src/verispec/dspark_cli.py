@@ -76,6 +76,9 @@ a whole run for the default model (each command can be stopped and rerun; README
     pk.add_argument("--out", required=True, help="the pack (NAME.pack.xz); records it lacks are added")
     pk.add_argument("--vocab-size", type=int, default=None,
                     help="the target tokenizer's vocabulary size (a new pack only: it sets the id width)")
+    pk.add_argument("--model", "-m", default=None,
+                    help="the target (name or folder): a new pack takes its vocabulary size from its config.json, "
+                         "in place of --vocab-size")
 
     fp = stages.add_parser("fingerprint", help="rebuild the eval-prompt n-gram fingerprint datagen filters with",
                            description="The sorted hashes of every 8-word run of the eval prompts "
@@ -112,6 +115,10 @@ a whole run for the default model (each command can be stopped and rerun; README
     tr.add_argument("--limit", type=int, default=None,
                     help="train on the first N sequences only (after --holdout), shared evenly between the sources: "
                          "nested subsets for a scaling curve, equal parts of a mix")
+    tr.add_argument("--train-folders", default=None,
+                    help="train on these --features folders only, 1-based and comma-separated (default: all); the "
+                         "held-out sequences still come from the first: e.g. --features regenerated,sharegpt "
+                         "--train-folders 2 trains on ShareGPT's own answers and validates on the target's")
     tr.add_argument("--layers", type=int, default=1, help="draft layers (default 1)")
     tr.add_argument("--block-size", type=int, default=7, help="gamma: tokens per proposal (default 7)")
     tr.add_argument("--markov-rank", type=int, default=64, help="Markov rank r (0: DFlash, no sequential head)")

@@ -166,6 +166,34 @@ def limited(train_ids: list[int], folder_ranges: list[tuple[int, int]], limit: i
     return sorted(i for have, q in zip(sources, quota) for i in have[:q])
 
 
+def split_ids(folder_ranges: list[tuple[int, int]], holdout: int, train_folders: str | None,
+              limit: int | None) -> tuple[list[int], list[int]]:
+    """(held-out ids, training ids): the last `holdout` of the first folder are held out whatever
+    is trained on; training takes the `train_folders` (all by default), at most `limit` of them."""
+    end_first = folder_ranges[0][1]
+    held = list(range(end_first - holdout, end_first)) if holdout else []
+    ranges = training_folders(folder_ranges, train_folders)
+    train_ids = [i for a, b in ranges for i in range(a, b) if i not in set(held)]
+    if limit:
+        train_ids = limited(train_ids, ranges, limit)
+    return held, train_ids
+
+
+def training_folders(folder_ranges: list[tuple[int, int]], spec: str | None) -> list[tuple[int, int]]:
+    """The [start, end) ranges of the folders `--train-folders` names (1-based, comma-separated;
+    None: all of them)."""
+    if not spec:
+        return list(folder_ranges)
+    try:
+        picks = sorted({int(k) for k in spec.split(",")})
+    except ValueError:
+        raise UserError(f"--train-folders takes 1-based folder numbers, comma-separated, not {spec!r}") from None
+    if not picks or picks[0] < 1 or picks[-1] > len(folder_ranges):
+        raise UserError(f"--train-folders {spec}: there are {len(folder_ranges)} --features folders (1 to "
+                        f"{len(folder_ranges)})")
+    return [folder_ranges[k - 1] for k in picks]
+
+
 def lr_at(step: int, total: int, peak: float, warmup_ratio: float = 0.04) -> float:
     """DeepSpec's CosineAnnealingWarmupLR: lr (t+1)/W for W = int(0.04 total) steps, then cosine to 0."""
     warmup = int(warmup_ratio * total)
@@ -266,12 +294,8 @@ def setup(args) -> TrainRun:
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
     # held-out sequences: the last of the FIRST features folder (the regenerated answers, what
     # the drafter meets when serving), whatever else is mixed in
-    end_first = cache.folder_ranges[0][1]
-    holdout = list(range(end_first - args.holdout, end_first)) if args.holdout else []
-    held = set(holdout)
-    train_ids = [i for i in range(len(cache)) if i not in held]
-    if getattr(args, "limit", None):
-        train_ids = limited(train_ids, cache.folder_ranges, args.limit)
+    holdout, train_ids = split_ids(cache.folder_ranges, args.holdout, getattr(args, "train_folders", None),
+                                   getattr(args, "limit", None))
     steps_per_epoch = len(train_ids) // args.batch
     if steps_per_epoch == 0:
         raise UserError(f"{len(cache)} sequences do not make one global batch of {args.batch}")
