@@ -197,6 +197,15 @@ def test_a_pack_holds_exactly_the_records_and_grows_by_the_new_ones(tmp_path, ca
     assert main(["dspark", "pack", "--data", str(data), "--out", str(tmp_path / "small.pack.xz"),
                  "--vocab-size", "100"]) == 2
     assert "beyond the vocabulary of 100" in capsys.readouterr().err
+    # a new pack takes the target's vocabulary from -m MODEL's config.json, or says what it needs
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 70000}}))
+    assert main(["dspark", "pack", "--data", str(data), "--out", str(tmp_path / "m.pack.xz"), "-m", str(model)]) == 0
+    assert read_pack(tmp_path / "m.pack.xz")[0]["vocab_size"] == 70000
+    capsys.readouterr()
+    assert main(["dspark", "pack", "--data", str(data), "--out", str(tmp_path / "none.pack.xz")]) == 2
+    assert "-m MODEL or --vocab-size" in capsys.readouterr().err
 
 
 @needs_eval

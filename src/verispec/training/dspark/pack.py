@@ -75,6 +75,18 @@ def read_pack(path: Path) -> tuple[dict, list[dict]]:
     return meta, records
 
 
+def model_vocab_size(model: str) -> int:
+    """The vocabulary size in a model's config.json (a multimodal config's text_config's)."""
+    from verispec.models.config import read_config
+    from verispec.models.registry import resolve_model
+
+    cfg = read_config(resolve_model(model))
+    size = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
+    if not size:
+        raise UserError(f"{model}: its config.json names no vocab_size; give --vocab-size")
+    return int(size)
+
+
 def run_pack(args) -> int:
     from verispec.data.decontaminate import contaminated
     from verispec.training.dspark.datagen import record_texts
@@ -88,8 +100,10 @@ def run_pack(args) -> int:
     if out.is_file():
         meta, existing = read_pack(out)
         vocab = meta["vocab_size"]
+    if vocab is None and getattr(args, "model", None):
+        vocab = model_vocab_size(args.model)
     if vocab is None:
-        raise UserError("--vocab-size is needed for a new pack (the target tokenizer's; it sets the id width)")
+        raise UserError("a new pack needs the target's vocabulary size (it sets the id width): -m MODEL or --vocab-size")
     have = {r["id"] for r in existing}
     added = [r for r in read_records(Path(args.data), min_loss_tokens=0) if r["id"] not in have and "answer_ids" in r]
     # never keep an eval prompt's 8-word run, in a prompt or in an answer (datagen filters both;
