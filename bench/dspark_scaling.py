@@ -132,7 +132,8 @@ def run_point(p: dict, args, features: dict, eval_dir: Path, deadline: float) ->
          "--holdout", str(HOLDOUT), "--steps", str(p["steps"]), "--batch", str(args.batch),
          "--layers", str(p["layers"]), "--draft-vocab", str(p["draft_vocab"]), "--save-every", "100",
          "--max-minutes", f"{left:.2f}", "--threads", str(args.threads), "--log-every", "1000"])
-    state = json.loads((run / (run / "latest").read_text().strip() / "trainer" / "state.json").read_text())
+    last = run / (run / "latest").read_text().strip()
+    state = json.loads((last / "trainer" / "state.json").read_text())
     if state["step"] < p["steps"]:
         return None  # out of time: the next run resumes this point
     train_minutes = (time.perf_counter() - start) / 60
@@ -149,11 +150,18 @@ def run_point(p: dict, args, features: dict, eval_dir: Path, deadline: float) ->
     row = json.loads((run / "measure" / "measure.json").read_text())["rows"][0]
     record = {**p, "batch": args.batch, "tau_teacher_forced": round(val["tau_probabilistic"], 3),
               "accept_by_position": val["accept_by_position"], "tau_live_t0": round(row["tau"], 3),
+              # the rows the draft head has (a vocabulary smaller than asked when the data uses fewer tokens)
+              "draft_vocab_rows": _draft_rows(last),
               "live_prompts": args.live, "live_policy": "fixed-draft", "train_minutes_this_run": round(train_minutes, 1),
               "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"), "cpu": args.cpu}
     if first:
         record["ngram_tau_live_t0"] = round(row["ngram_tau"], 3)
     return record
+
+
+def _draft_rows(checkpoint: Path) -> int | None:
+    config = json.loads((checkpoint / "config.json").read_text())
+    return config.get("draft_vocab_size") or config.get("vocab_size")
 
 
 def _points(path: Path) -> list[dict]:
