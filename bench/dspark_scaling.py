@@ -111,6 +111,8 @@ def features_for(pack: Path, work: Path, model: str, threads: int) -> Path:
 
 
 def run_point(p: dict, args, features: dict, eval_dir: Path, deadline: float) -> dict | None:
+    import torch
+
     from verispec.training.dspark.features import FeatureCache
 
     # the held-out records are always the regenerated pack's last HOLDOUT (the first folder): every
@@ -153,7 +155,8 @@ def run_point(p: dict, args, features: dict, eval_dir: Path, deadline: float) ->
               # the rows the draft head has (a vocabulary smaller than asked when the data uses fewer tokens)
               "draft_vocab_rows": _draft_rows(last),
               "live_prompts": args.live, "live_policy": "fixed-draft", "train_minutes_this_run": round(train_minutes, 1),
-              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"), "cpu": args.cpu}
+              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"), "cpu": args.cpu,
+              "cpu_isa": torch.backends.cpu.get_cpu_capability()}  # hosts of one name differ (AVX2 / AVX512)
     if first:
         record["ngram_tau_live_t0"] = round(row["ngram_tau"], 3)
     return record
