@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -217,7 +218,7 @@ def step_costs_for(model, refresh: bool = False, sizes=SIZES, rows=ROWS) -> tupl
     record = {"key": key, "measured_at": time.time(), "seconds": costs.seconds, "row_overhead": costs.row_overhead}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # processes measuring at once each write their own
         tmp.write_text(json.dumps(record, indent=1, default=str))
         tmp.replace(path)
     except OSError:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -333,7 +334,7 @@ def plan_for(model, dtype: torch.dtype, quant: str = "auto", mode: str = "auto",
     plan = measure_plan(model, dtype, quant, mode, formats)
     plan.key = key
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".partial")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # processes measuring at once each write their own
     tmp.write_text(json.dumps(plan.to_json(), indent=1))
     tmp.replace(path)
     return plan

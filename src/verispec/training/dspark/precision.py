@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def training_precision(requested: str, device: torch.device) -> tuple[str, str]:
     except (OSError, ValueError):
         found = measure()
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # processes measuring at once each write their own
         tmp.write_text(json.dumps(found))
         tmp.replace(path)
     return found["choice"], f"measured here: a layer's forward + backward {found['bf16_ms']} ms under bf16 " \
