@@ -277,7 +277,8 @@ def plot(points: list[dict], png: Path) -> None:
         name = (p["source"] if p["source"] != "regenerated" else
                 f"{p['layers']} layers" if p["layers"] != 1 else
                 f"vocab {p['draft_vocab'] or 'full'}" if p["draft_vocab"] != 16384 else f"{p['steps']} steps")
-        ax.plot([p["sequences"]], [p["tau_live_t0"]], "x", markersize=9, label=f"{name} (live)")
+        line, = ax.plot([p["sequences"]], [p["tau_live_t0"]], "x", markersize=9, label=f"{name} (live x, teacher-forced +)")
+        ax.plot([p["sequences"]], [p["tau_teacher_forced"]], "+", markersize=11, color=line.get_color())
     ngram = next((p["ngram_tau_live_t0"] for p in points if "ngram_tau_live_t0" in p), None)
     if ngram:
         ax.axhline(ngram, color="grey", linestyle="--", label=f"n-gram, live ({ngram:.2f})")
