@@ -173,7 +173,8 @@ def split_ids(folder_ranges: list[tuple[int, int]], holdout: int, train_folders:
     end_first = folder_ranges[0][1]
     held = list(range(end_first - holdout, end_first)) if holdout else []
     ranges = training_folders(folder_ranges, train_folders)
-    train_ids = [i for a, b in ranges for i in range(a, b) if i not in set(held)]
+    skip = set(held)
+    train_ids = [i for a, b in ranges for i in range(a, b) if i not in skip]
     if limit:
         train_ids = limited(train_ids, ranges, limit)
     return held, train_ids
