@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from verispec.models.profiles import save_profile
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 24, 32, 48, 64)
 ROWS = (1, 2, 4, 8, 16)
@@ -193,10 +194,10 @@ def cache_key(model, sizes=SIZES, rows=ROWS) -> dict:
 
 
 def cache_path(key: dict) -> Path:
-    from verispec.models.registry import cache_dir
+    from verispec.models.profiles import profile_path
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return cache_dir() / "profiles" / f"sps-{digest}.json"
+    return profile_path(f"sps-{digest}.json")
 
 
 def step_costs_for(model, refresh: bool = False, sizes=SIZES, rows=ROWS) -> tuple[StepCosts, dict]:
@@ -217,10 +218,7 @@ def step_costs_for(model, refresh: bool = False, sizes=SIZES, rows=ROWS) -> tupl
     costs = measure_step_costs(model, sizes, rows=rows)
     record = {"key": key, "measured_at": time.time(), "seconds": costs.seconds, "row_overhead": costs.row_overhead}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # processes measuring at once each write their own
-        tmp.write_text(json.dumps(record, indent=1, default=str))
-        tmp.replace(path)
+        save_profile(path, record, indent=1)
     except OSError:
         pass  # a read-only cache still serves
     return costs, {"source": "measured", "path": str(path), "measured_at": record["measured_at"]}

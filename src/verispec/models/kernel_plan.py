@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -52,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from verispec.models import profiles
 from verispec.models.linear import Linear, kernel_runs
 
 PLAN_VERSION = 4
@@ -134,10 +134,8 @@ def _role_shapes(model) -> dict[str, list[torch.Size]]:
 
 
 def profile_path(key: dict) -> Path:
-    from verispec.models.registry import cache_dir
-
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / "profiles" / f"{digest}.json"
+    return profiles.profile_path(f"{digest}.json")
 
 
 # -- measuring ----------------------------------------------------------------------------
@@ -333,10 +331,7 @@ def plan_for(model, dtype: torch.dtype, quant: str = "auto", mode: str = "auto",
     formats = lossless_formats(model) if quant != "none" else None
     plan = measure_plan(model, dtype, quant, mode, formats)
     plan.key = key
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.partial")  # processes measuring at once each write their own
-    tmp.write_text(json.dumps(plan.to_json(), indent=1))
-    tmp.replace(path)
+    profiles.save_profile(path, plan.to_json(), indent=1)
     return plan
 
 

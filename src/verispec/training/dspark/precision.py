@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
+
+from verispec.models import profiles
 
 PRECISIONS = ("auto", "bf16", "fp32")
 ROWS, HIDDEN, FFN = 1024, 576, 1536  # a batch of anchor-block positions through a SmolLM2-sized layer
@@ -28,11 +29,10 @@ ROWS, HIDDEN, FFN = 1024, 576, 1536  # a batch of anchor-block positions through
 
 def profile_path(threads: int) -> Path:
     from verispec.models.kernel_plan import cpu_flags, cpu_name
-    from verispec.models.registry import cache_dir
 
     key = json.dumps({"what": "train-precision", "version": 1, "cpu": cpu_name(), "flags": cpu_flags(),
                       "torch": torch.__version__, "threads": threads}, sort_keys=True)
-    return cache_dir() / "profiles" / f"train-precision-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    return profiles.profile_path(f"train-precision-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json")
 
 
 def _time(autocast: bool, reps: int = 3) -> float:
@@ -69,9 +69,6 @@ def training_precision(requested: str, device: torch.device) -> tuple[str, str]:
         found = json.loads(path.read_text())
     except (OSError, ValueError):
         found = measure()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # processes measuring at once each write their own
-        tmp.write_text(json.dumps(found))
-        tmp.replace(path)
+        profiles.save_profile(path, found)
     return found["choice"], f"measured here: a layer's forward + backward {found['bf16_ms']} ms under bf16 " \
                             f"autocast, {found['fp32_ms']} ms in float32"
