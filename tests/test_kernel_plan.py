@@ -146,6 +146,13 @@ def test_forced_modes(folders):
         assert set(plan.linear.values()) <= {"onednn", "aten"} and set(plan.formats.values()) <= {"float32"}
     quant = load_folder(folder, dtype=torch.float32, kernels="invariant", quant="q8_0")
     assert all(k.startswith("q8_0") for k in quant.kernel_plan.linear.values()) and quant.kernel_plan.invariant
+    from types import SimpleNamespace
+
+    from verispec.serve_cli import plan_summary
+
+    # what serve and `dspark measure` print names the plan as forced, not as chosen for speed
+    assert plan_summary(SimpleNamespace(model=onednn)) == "weights float32, PyTorch-only (--kernels onednn) kernels"
+    assert plan_summary(SimpleNamespace(model=quant)) == "weights q8_0, batch-invariant kernels"
     from verispec.errors import UserError
 
     with pytest.raises(UserError, match="no batch-invariant kernel"):

@@ -147,7 +147,11 @@ def plan_summary(loaded) -> str:
     if plan is None:
         return "PyTorch kernels"
     formats = sorted(set(plan.formats.values()))
-    return f"weights {'/'.join(formats)}, {'batch-invariant' if plan.invariant else 'fastest'} kernels"
+    if plan.key.get("mode") == "onednn":  # pinned by --kernels onednn, not chosen for speed
+        kind = "PyTorch-only (--kernels onednn)"
+    else:
+        kind = "batch-invariant" if plan.invariant else "fastest"
+    return f"weights {'/'.join(formats)}, {kind} kernels"
 
 
 def drafter_dtype(dtype: str):
