@@ -262,30 +262,59 @@ def _fit_lines(f: dict, gain: float = 0.5) -> list[str]:
     return lines
 
 
+def _side_label(p: dict) -> str:
+    """What a point off the data axis varies, in a few words."""
+    return (f"{p['source']} answers" if p["source"] != "regenerated" else
+            f"{p['layers']} draft layers" if p["layers"] != 1 else
+            f"draft vocab {p['draft_vocab'] or 'full'}" if p["draft_vocab"] != 16384 else f"{p['steps']} steps")
+
+
 def plot(points: list[dict], png: Path) -> None:
+    """Left: tau against distinct training sequences (the base recipe). Right: every other point
+    beside the base point of its size, one column each, so variants at one size do not overlap."""
     from verispec.plots import pyplot
 
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
     curve = _size_curve(points)
-    for key, label, style in (("tau_teacher_forced", "teacher-forced (held-out records)", "o-"),
-                              ("tau_live_t0", "live, T=0 (held-out ShareGPT)", "s-")):
-        ax.plot([p["sequences"] for p in curve], [p[key] for p in curve], style, label=f"regenerated, {label}")
-    for p in points:
-        if p in curve:
-            continue
-        name = (p["source"] if p["source"] != "regenerated" else
-                f"{p['layers']} layers" if p["layers"] != 1 else
-                f"vocab {p['draft_vocab'] or 'full'}" if p["draft_vocab"] != 16384 else f"{p['steps']} steps")
-        line, = ax.plot([p["sequences"]], [p["tau_live_t0"]], "x", markersize=9, label=f"{name} (live x, teacher-forced +)")
-        ax.plot([p["sequences"]], [p["tau_teacher_forced"]], "+", markersize=11, color=line.get_color())
+    sides = [p for p in points if p not in curve]
+    fig, axes = plt.subplots(1, 2 if sides else 1, figsize=(13 if sides else 8, 5), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 2] if sides else [1]})
+    ax = axes[0][0]
+    series = (("tau_teacher_forced", "teacher-forced (held-out records)", "o"),
+              ("tau_live_t0", "live, T=0 (held-out ShareGPT)", "s"))
+    colors = {}
+    for key, label, marker in series:
+        line, = ax.plot([p["sequences"] for p in curve], [p[key] for p in curve], marker + "-", label=label)
+        colors[key] = line.get_color()
     ngram = next((p["ngram_tau_live_t0"] for p in points if "ngram_tau_live_t0" in p), None)
-    if ngram:
-        ax.axhline(ngram, color="grey", linestyle="--", label=f"n-gram, live ({ngram:.2f})")
     ax.set_xscale("log")
-    ax.set_xlabel("distinct training sequences (same steps x batch per point)")
+    ax.set_xlabel("distinct training sequences (regenerated answers, 1 draft layer, same steps x batch)")
     ax.set_ylabel("tau (tokens per target forward)")
     ax.set_title("DSpark drafter: tau against training data")
+    if sides:
+        right = axes[0][1]
+        columns = []
+        for p in sorted(sides, key=lambda p: (p["sequences"], _side_label(p))):
+            base = next((b for b in curve if b["sequences"] == p["sequences"] and b["steps"] == p["steps"]), None)
+            base = base or next((b for b in curve if b["sequences"] == p["sequences"]), None)
+            if base is not None and base not in columns:
+                columns.append(base)
+            columns.append(p)
+        xs = range(len(columns))
+        for key, label, marker in series:
+            right.plot(xs, [p[key] for p in columns], marker, color=colors[key], markersize=8, label=label)
+        for x, p in zip(xs, columns):
+            right.annotate(f"{p['tau_teacher_forced']:.3f}\n{p['tau_live_t0']:.3f}", (x, p["tau_teacher_forced"]),
+                           textcoords="offset points", xytext=(0, 8), ha="center", fontsize=7)
+        right.set_xticks(list(xs))
+        right.set_xticklabels([("base recipe" if p in curve else _side_label(p)) + f"\nn={p['sequences']}"
+                               + (f", {p['train_minutes_this_run']:.0f} min" if p.get("train_minutes_this_run") else "")
+                               for p in columns], fontsize=7, rotation=30, ha="right")
+        right.set_title("one thing changed at a time (same compute)")
+        right.grid(alpha=0.3)
+    for a in (ax, *([axes[0][1]] if sides else [])):
+        if ngram:
+            a.axhline(ngram, color="grey", linestyle="--", label=f"n-gram, live ({ngram:.2f})")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

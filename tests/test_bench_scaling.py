@@ -67,3 +67,16 @@ def test_the_grid_adds_the_compute_axis_at_the_ends_of_the_size_axis():
     compute = [k for k in keys if not k.endswith("-s300x16")]
     assert sorted(compute) == sorted(f"regenerated-n{n}-L1-v16384-s{s}x16" for n in (200, 800) for s in (150, 600))
     assert "regenerated-n400-L2-v16384-s300x16" in keys
+
+
+def test_the_plot_puts_each_side_point_beside_the_base_point_of_its_size(tmp_path, monkeypatch):
+    points = [_point(n, 300, 1.2 + n / 10000, 1.1 + n / 10000) for n in (200, 400, 800)]
+    points += [_point(400, 300, 1.31, 1.24, layers=2), _point(400, 300, 1.32, 1.25, draft_vocab=0),
+               _point(800, 600, 1.4, 1.3)]
+    drawn = {}
+    real = scaling.plot.__globals__["_side_label"]
+    monkeypatch.setitem(scaling.plot.__globals__, "_side_label", lambda p: drawn.setdefault(id(p), real(p)))
+    scaling.plot(points, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 10_000
+    # every point off the size curve gets a column, named by what it changes
+    assert sorted(drawn.values()) == ["2 draft layers", "600 steps", "draft vocab full"]
