@@ -312,9 +312,8 @@ def plot(points: list[dict], png: Path) -> None:
                                for p in columns], fontsize=7, rotation=30, ha="right")
         right.set_title("one thing changed at a time (same compute)")
         right.grid(alpha=0.3)
-    for a in (ax, *([axes[0][1]] if sides else [])):
-        if ngram:
-            a.axhline(ngram, color="grey", linestyle="--", label=f"n-gram, live ({ngram:.2f})")
+    for a in axes[0] if ngram else ():
+        a.axhline(ngram, color="grey", linestyle="--", label=f"n-gram, live ({ngram:.2f})")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
