@@ -94,6 +94,43 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(features, tmp_path):
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5, msg=k)
 
 
+def test_a_warm_restart_starts_from_the_drafters_weights(features, tmp_path, capsys):
+    """--init-from: step 0 is the given drafter (its bf16 file, as shipped), validated on the
+    same held-out sequences as the run that trained it; a drafter reading other taps, or a
+    folder with no drafter, is refused before any training."""
+    base = tmp_path / "base"
+    common = ["dspark", "train", "--features", str(features), *TRAIN, "--holdout", "2"]
+    assert main([*common, "--steps", "6", "--save-every", "6", "--lr", "3e-3", "--out", str(base)]) == 0
+    warm = tmp_path / "warm"
+    # lr 0: AdamW leaves the weights where they started, so step 1 holds the starting weights
+    assert main([*common, "--steps", "1", "--save-every", "1", "--lr", "0", "--layers", "2",
+                 "--init-from", str(base), "--out", str(warm)]) == 0
+    shipped = load_file(str(base / "step_6" / "model.safetensors"))
+    started = _weights(warm / "step_1")
+    assert started and {k[len("param."):] for k in started} <= shipped.keys()
+    assert not any(".layers.1." in k or k.startswith("param.layers.1.") for k in started), \
+        "the drafter's architecture (1 layer), not --layers 2"
+    for k, v in started.items():
+        torch.testing.assert_close(v, shipped[k[len("param."):]].float(), atol=0, rtol=0, msg=k)
+    trained = [json.loads(line) for line in (base / "validation.jsonl").read_text().splitlines()]
+    restart = [json.loads(line) for line in (warm / "validation.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in restart] == [0, 1]
+    # the same drafter, rounded to bf16 by the file: the same held-out acceptance within rounding
+    assert abs(restart[0]["tau_probabilistic"] - trained[-1]["tau_probabilistic"]) < 0.02
+    other = tmp_path / "other-taps"
+    other.mkdir()
+    (other / "model.safetensors").write_bytes((base / "step_6" / "model.safetensors").read_bytes())
+    config = json.loads((base / "step_6" / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "target_layer_ids": [0, 1, 4]}))
+    capsys.readouterr()
+    assert main([*common, "--steps", "1", "--init-from", str(other), "--out", str(tmp_path / "refused")]) != 0
+    assert "reads target layers [0, 1, 4], the features hold [0, 2, 4]" in capsys.readouterr().err
+    assert main([*common, "--steps", "1", "--init-from", str(tmp_path / "nothing"),
+                 "--out", str(tmp_path / "refused")]) != 0
+    assert "no drafter there" in capsys.readouterr().err
+    assert not (tmp_path / "refused" / "latest").exists()
+
+
 def test_two_processes_train_like_one(features, tmp_path):
     common = [*TRAIN, "--features", str(features), "--steps", "4", "--save-every", "4", "--threads", "1"]
     assert main(["dspark", "train", *common, "--out", str(tmp_path / "one")]) == 0

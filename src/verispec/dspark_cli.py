@@ -119,6 +119,12 @@ a whole run for the default model (each command can be stopped and rerun; README
                     help="train on these --features folders only, 1-based and comma-separated (default: all); the "
                          "held-out sequences still come from the first: e.g. --features regenerated,sharegpt "
                          "--train-folders 2 trains on ShareGPT's own answers and validates on the target's")
+    tr.add_argument("--init-from", default=None, metavar="DRAFTER",
+                    help="start a new run from this drafter's weights (a drafter folder, a train run folder, or a "
+                         "bundled model's name such as smollm2-135m-instruct: its shipped drafter) with a fresh "
+                         "optimizer and schedule: a warm restart; its architecture and draft vocabulary replace "
+                         "--layers, --draft-vocab and the head options. Ignored when --out already holds a checkpoint "
+                         "(that run resumes)")
     tr.add_argument("--layers", type=int, default=1, help="draft layers (default 1)")
     tr.add_argument("--block-size", type=int, default=7, help="gamma: tokens per proposal (default 7)")
     tr.add_argument("--markov-rank", type=int, default=64, help="Markov rank r (0: DFlash, no sequential head)")

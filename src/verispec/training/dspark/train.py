@@ -31,8 +31,13 @@
   computed on the fly from datagen's records (`--data`: a target forward per sequence per
   epoch, no disk; features.TargetFeatures), the same samples either way.
 
+* `--init-from` starts a run from a drafter's weights (warm_start): a fresh optimizer and
+  schedule over them, validated at step 0, so a committed drafter is the campaign's state
+  between sessions.
+
 Checked by tests/test_dspark_train.py: the loss goes down on a small cache, a resumed
-run continues exactly where it stopped, 2 processes under torchrun end with the same
+run continues exactly where it stopped, a warm restart starts from the drafter's exact
+weights and refuses a drafter that reads other taps, 2 processes under torchrun end with the same
 weights as 1 process with the same global batch, and training on the fly ends with the
 weights of training on the cache.
 """
@@ -88,6 +93,37 @@ def init_drafter(drafter, target_folder: Path, std: float, seed: int) -> None:
             else:
                 p.copy_(torch.randn(p.shape, generator=generator) * std)
     copy_frozen(drafter, target_folder)
+
+
+def warm_start(source: str, manifest: dict, target_folder: Path):
+    """The drafter `--init-from` names (a drafter folder, a train run folder: its newest
+    checkpoint, or a bundled model's name: its shipped drafter), checked against the
+    features' target and taps. Training continues from its weights with a fresh optimizer
+    and a fresh warm-up + cosine schedule: a warm restart, which is how a committed drafter
+    carries a campaign to the next session without a trainer state in the repository."""
+    from types import SimpleNamespace
+
+    from verispec.drafting.dspark.checkpoint import check_compatible, draft_kind, load_dspark, newest_checkpoint
+    from verispec.drafting.dspark.config import DraftCheckpointError
+    from verispec.drafting.factory import BUNDLED_DRAFTERS
+    from verispec.models.config import from_hf_config, read_config
+
+    folder = BUNDLED_DRAFTERS.get(source) or newest_checkpoint(Path(source))
+    if not (folder / "config.json").is_file():
+        raise UserError(f"--init-from {source}: no drafter there (a folder with config.json, a train run folder, "
+                        f"or one of {', '.join(sorted(BUNDLED_DRAFTERS))})")
+    target = SimpleNamespace(folder=target_folder, model=SimpleNamespace(args=from_hf_config(read_config(target_folder))))
+    try:
+        if draft_kind(folder) != "dspark":
+            raise DraftCheckpointError(f"{folder} is not a DSpark drafter")
+        drafter = load_dspark(folder, target=target, prepare=False)
+        check_compatible(drafter.config, target.model.args)
+    except DraftCheckpointError as e:
+        raise UserError(f"--init-from {source}: {e}") from None
+    if list(drafter.config.target_layer_ids) != list(manifest["target_layer_ids"]):
+        raise UserError(f"--init-from {source}: the drafter reads target layers {list(drafter.config.target_layer_ids)}, "
+                        f"the features hold {manifest['target_layer_ids']}")
+    return drafter
 
 
 def copy_frozen(drafter, target_folder: Path) -> None:
@@ -257,8 +293,16 @@ def setup(args) -> TrainRun:
     target_folder = Path(manifest["target"])
     target_config = read_config(target_folder)
     latest = _latest(out)
+    warm = None if latest is not None or not getattr(args, "init_from", None) else warm_start(
+        args.init_from, manifest, target_folder)
     if latest is not None:
         config = DSparkConfig.from_dict(json.loads((latest / "config.json").read_text()))
+    elif warm is not None:
+        config = warm.config
+        if world.main:
+            print(f"train: starting from the weights of {args.init_from} ({config.args.num_layers} draft layers, "
+                  f"draft vocabulary {config.draft_vocab_size or 'full'}; its architecture, not --layers/--draft-vocab), "
+                  "a fresh optimizer and schedule", file=sys.stderr)
     else:
         vocab = None
         if args.draft_vocab and args.draft_vocab < manifest["vocab_size"]:
@@ -275,7 +319,11 @@ def setup(args) -> TrainRun:
             confidence_head_with_markov=args.markov_rank > 0, num_anchors=args.anchors,
             draft_vocab_size=None if vocab is None else len(vocab))
     drafter = DSparkDrafter(config)
-    if latest is None:
+    if warm is not None:
+        with torch.no_grad():
+            drafter.load_state_dict(warm.state_dict(), strict=True)
+        copy_frozen(drafter, target_folder)
+    elif latest is None:
         if drafter.draft_vocab_ids is not None:
             drafter.draft_vocab_ids.copy_(vocab)
         init_drafter(drafter, target_folder, float(target_config.get("initializer_range", 0.02)), args.seed)
@@ -375,20 +423,28 @@ def checkpoint(run: TrainRun) -> None:
     sequences, redraw the curves; every rank waits for it."""
     if run.world.main:
         _save(run.drafter, run.optimizer, run.params, run.out, run.step)
-        if run.holdout:
-            val = validate(run.drafter, run.cache, run.holdout, run.target_head, run.args.anchors,
-                           run.drafter.draft_vocab_ids, run.args.seed)
-            with (run.out / "validation.jsonl").open("a") as f:
-                f.write(json.dumps({"step": run.step, **val}) + "\n")
-            print(f"validation at step {run.step}: teacher-forced acceptance {val['accept_by_position']} "
-                  f"tau {val['tau_probabilistic']:.3f}", file=sys.stderr, flush=True)
+        validate_holdout(run)
         _plot(run.metrics_path, run.out / "curves.png")
     run.world.barrier()
+
+
+def validate_holdout(run: TrainRun) -> None:
+    """Append the held-out teacher-forced acceptance at this step to validation.jsonl."""
+    if not run.holdout:
+        return
+    val = validate(run.drafter, run.cache, run.holdout, run.target_head, run.args.anchors,
+                   run.drafter.draft_vocab_ids, run.args.seed)
+    with (run.out / "validation.jsonl").open("a") as f:
+        f.write(json.dumps({"step": run.step, **val}) + "\n")
+    print(f"validation at step {run.step}: teacher-forced acceptance {val['accept_by_position']} "
+          f"tau {val['tau_probabilistic']:.3f}", file=sys.stderr, flush=True)
 
 
 def run_train(args) -> int:
     run = setup(args)
     args, world = run.args, run.world
+    if run.step == 0 and getattr(args, "init_from", None) and world.main:
+        validate_holdout(run)  # where the warm restart starts: step 0 of validation.jsonl
     while run.step < run.total:
         record = train_step(run)
         if world.main and (run.step % args.log_every == 0 or run.step == run.total):
