@@ -130,6 +130,27 @@ def test_a_base_model_continues_each_user_turn_as_raw_text(tmp_path):
     assert (tmp_path / "raw.jsonl").read_text() == (tmp_path / "base.jsonl").read_text()
 
 
+def test_measure_and_calibrate_prompt_a_base_model_with_the_text_alone(tmp_path):
+    """`dspark measure` / `calibrate` encode an eval prompt with encode_user_text: a model with a
+    chat template gets it through the template, one without (gemma3-270m) the text alone, as
+    /v1/completions sends it (oracle: the tokenizer's own apply_chat_template and encode);
+    before, gemma3-270m's measure stopped with "no chat template"."""
+    import shutil
+
+    from verispec.models.tokenizer import encode_user_text, load_tokenizer
+
+    base = tmp_path / "base"
+    shutil.copytree(ORACLE / "target", base)
+    (base / "chat_template.jinja").unlink()
+    text = "a question about t5 t6 t7 t8"
+    chat, plain = load_tokenizer(ORACLE / "target"), load_tokenizer(base)
+    templated = chat.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=False)
+    assert encode_user_text(chat, text) == chat.encode(templated, add_special_tokens=False)
+    assert encode_user_text(plain, text) == plain.encode(text, add_special_tokens=True)
+    assert encode_user_text(chat, text) != encode_user_text(plain, text)
+
+
 @needs_eval
 def test_an_answer_that_shares_8_words_with_an_eval_prompt_is_never_kept(tmp_path, capsys, monkeypatch):
     """Datagen checks each generated answer too (a prompt can be clean and its answer not): such

@@ -38,6 +38,14 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=True)
 
 
+def encode_user_text(tokenizer, text: str) -> list[int]:
+    """One user turn as a prompt: through the chat template where the model has one, else
+    the text alone as a completion prompt (a base model such as gemma3-270m continues it)."""
+    if has_chat_template(tokenizer):
+        return encode_chat(tokenizer, [{"role": "user", "content": text}])
+    return encode_prompt(tokenizer, text)
+
+
 def stop_token_ids(folder: str | Path, tokenizer) -> list[int]:
     """EOS ids from generation_config.json, config.json and the tokenizer (union)."""
     folder = Path(folder)

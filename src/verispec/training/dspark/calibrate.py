@@ -82,7 +82,7 @@ def run_calibrate(args) -> int:
     from verispec.engine.sampling import SamplingParams
     from verispec.models.loader import load_model, resolve_dtype
     from verispec.models.registry import DEFAULT_MODEL
-    from verispec.models.tokenizer import encode_chat
+    from verispec.models.tokenizer import encode_user_text
     from verispec.drafting.dspark.checkpoint import load_dspark, newest_checkpoint
     from verispec.training.dspark.datagen import read_prompts
     from verispec.training.dspark.live import make_engine, run_live
@@ -102,7 +102,7 @@ def run_calibrate(args) -> int:
     prompts = list(read_prompts(args.prompts, args.limit, skip=args.skip))
     for i, (_, text) in enumerate(tqdm(prompts, desc="calibrate", unit="prompt", file=sys.stderr,
                                        disable=args.quiet)):
-        ids = encode_chat(loaded.tokenizer, [{"role": "user", "content": text}])
+        ids = encode_user_text(loaded.tokenizer, text)
         if len(ids) > args.max_prompt_tokens:
             continue
         live = run_live(engine, ids, args.max_tokens, SamplingParams(), loaded.stop_ids)

@@ -37,7 +37,7 @@ def run_measure(args) -> int:
     from verispec.models.loader import load_for_serving
     from verispec.serve_cli import drafter_dtype, plan_summary
     from verispec.models.registry import DEFAULT_MODEL
-    from verispec.models.tokenizer import encode_chat
+    from verispec.models.tokenizer import encode_user_text
     from verispec.drafting.dspark.checkpoint import load_dspark, newest_checkpoint
     from verispec.training.dspark.live import make_engine, run_live
     from verispec.drafting.dspark.source import DSparkProvider
@@ -66,7 +66,7 @@ def run_measure(args) -> int:
     arms = {"plain": plain, "dspark": dspark, **({"ngram": ngram} if ngram is not None else {})}
     with tqdm(total=len(jobs), desc="measure", unit="prompt", file=sys.stderr, disable=args.quiet) as bar:
         for temperature, dataset, text in jobs:
-            ids = encode_chat(loaded.tokenizer, [{"role": "user", "content": text}])
+            ids = encode_user_text(loaded.tokenizer, text)
             # unseeded, as most clients send: seeded rows verify by matching, not speculative sampling
             params = SamplingParams(temperature=temperature)
             s = stats.setdefault((temperature, dataset), {"prompts": 0, "reached": [0] * g, "kept": [0] * g,
