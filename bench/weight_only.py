@@ -61,7 +61,7 @@ def measure(make, weight: torch.Tensor, rows: int, stored_bytes: int) -> tuple[f
 def candidates():
     from verispec import kernels
     from verispec.models.linear import pack_weight, packed_linear
-    from verispec.models.quant import interleave4, interleave4_blocks, quantize
+    from verispec.models.quant import interleave4, interleave16_blocks, quantize
 
     out = {}
 
@@ -113,8 +113,8 @@ def candidates():
                 x.bfloat16(), b, None, w.shape[0], False)), 2.0)
         if mod.int8dot():
             for fmt, size in (("q8_0", 34 / 32), ("q4_1", 20 / 32)):
-                out[f"verispec {fmt}-i8"] = (lambda w, fmt=fmt: (lambda x, b=interleave4_blocks(
-                    quantize(w, fmt), fmt): mod.qlinear4(x, b, None, kernels.FORMATS[fmt], w.shape[0])), size)
+                out[f"verispec {fmt}-i8"] = (lambda w, fmt=fmt: (lambda x, b=interleave16_blocks(
+                    quantize(w, fmt), fmt): mod.qlinear16(x, b, None, kernels.FORMATS[fmt], w.shape[0])), size)
     return out
 
 

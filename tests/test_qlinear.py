@@ -21,7 +21,7 @@ from verispec.models.quant import (
     deinterleave4,
     dequantize,
     interleave4,
-    interleave4_blocks,
+    interleave16_blocks,
     quantize,
 )
 
@@ -91,18 +91,19 @@ def test_int8_kernels_are_the_int8_activation_product(mod, n, k, fmt):
     w = _weights(n, k)
     blocks = quantize(w, fmt)
     x = _rows(7, k)
-    tiles = interleave4_blocks(blocks, fmt)
-    y = mod.qlinear4(x, tiles, None, kernels.FORMATS[fmt], n)
+    tiles = interleave16_blocks(blocks, fmt)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(5))
+    y = mod.qlinear16(x, tiles, bias, kernels.FORMATS[fmt], n)
     # the oracle: x rounded to int8 per 32-block (absmax / 127), times the dequantized weights
     xb = x.double().reshape(7, -1, 32)
     d = xb.abs().amax(-1, keepdim=True) / 127
     xq = (torch.where(d > 0, xb / torch.where(d > 0, d, 1), 0).round().clamp(-127, 127) * d).reshape(7, k)
-    ref = xq @ dequantize(blocks, fmt, k).double().T
+    ref = xq @ dequantize(blocks, fmt, k).double().T + bias.double()
     torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4)
     # the AVX2 path gives the VNNI path's bits (exact integer dots, the same float operations)
-    assert torch.equal(mod.qlinear4(x, tiles, None, kernels.FORMATS[fmt], n, 1), y)
-    if mod.vnni():  # and the old row-major VNNI kernel computes the same model
-        torch.testing.assert_close(mod.qlinear(x, blocks, None, kernels.FORMATS[fmt], n, 3), y, rtol=1e-5, atol=1e-5)
+    assert torch.equal(mod.qlinear16(x, tiles, bias, kernels.FORMATS[fmt], n, 1), y)
+    if mod.vnni():  # and the row-major VNNI kernel computes the same model
+        torch.testing.assert_close(mod.qlinear(x, blocks, bias, kernels.FORMATS[fmt], n, 3), y, rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_kernel_is_a_bf16_product_with_float32_sums(mod):
@@ -124,8 +125,8 @@ def _kernel_calls(mod):
                                                                                    kernels.FORMATS[fmt], w.shape[0], -1))
     for isa in {mod.int8dot(), 1} if mod.int8dot() else ():  # VNNI where it runs, and AVX2
         for fmt in ("q4_1", "q8_0"):
-            calls[f"{fmt}-i8-isa{isa}"] = (torch.float32, lambda x, w, fmt=fmt, isa=isa: mod.qlinear4(
-                x, interleave4_blocks(quantize(w, fmt), fmt), None, kernels.FORMATS[fmt], w.shape[0], isa))
+            calls[f"{fmt}-i8-isa{isa}"] = (torch.float32, lambda x, w, fmt=fmt, isa=isa: mod.qlinear16(
+                x, interleave16_blocks(quantize(w, fmt), fmt), None, kernels.FORMATS[fmt], w.shape[0], isa))
     if mod.bf16dot():
         calls["bf16dot"] = (torch.bfloat16, lambda x, w: mod.bf16_linear(x, interleave4(w), None, w.shape[0], False))
     return calls

@@ -157,6 +157,7 @@ struct QuantizedRows {
   std::vector<int8_t> q;     // [M, K]
   std::vector<float> scale;  // [M, K/32]
   std::vector<float> qsum;   // [M, K/32]: scale * sum(q) of the block (q4_1's m term)
+  std::vector<int32_t> isum; // [M, K/32]: sum(q) of the block (q8_0's offset in kernel_qx16)
 };
 
 void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& out) {
@@ -164,6 +165,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& out) {
   out.q.resize(M * K);
   out.scale.resize(M * nb);
   out.qsum.resize(M * nb);
+  out.isum.resize(M * nb);
   for (int64_t m = 0; m < M; m++) {
     for (int64_t b = 0; b < nb; b++) {
       const float* xb = x + m * K + b * BLOCK;
@@ -181,6 +183,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, QuantizedRows& out) {
       }
       out.scale[m * nb + b] = d;
       out.qsum[m * nb + b] = d * (float)sum;
+      out.isum[m * nb + b] = sum;
     }
   }
 }
@@ -521,224 +524,157 @@ void attend_one_scalar(const float* q, const float* K, const float* V, const boo
 }
 
 
-// ---------------------------------------------------------------------------- VNNI, 4-interleaved
+// ---------------------------------------------------------------------------- VNNI, 16-interleaved
 //
-// The q4_1 / q8_0 kernels proper (the row-major ones above are the reference the tests
-// check these against, and the fallback without VNNI). Weights are repacked into tiles
-// of four columns, block by block, so one tile's block is one contiguous run:
-//   q4_1: [d0 d1 d2 d3][m0 m1 m2 m3] (fp16) [16 nibble bytes of column 0][c1][c2][c3] = 80 B
-//   q8_0: [d0 d1 d2 d3] (fp16) [32 int8 of column 0][c1][c2][c3]                 = 136 B
-// x is quantized per row and 32-block to int8 (quantize_rows). Per row and block, four
-// columns' integer dot products come out of two vpdpbusd (q4_1: low nibbles with x[0:16],
-// high with x[16:32], each x half broadcast to the four 128-bit lanes) into 16 int32
-// lanes, 4 per column; they are scaled by d_c * dx and accumulated in float (fma) into
-// 16 float lanes, in block order; the m terms (q4_1) into four float lanes. At the end each
-// column's 4 lanes are summed by a fixed tree ((l0 + l2) + (l1 + l3)), then its m sum and
-// bias are added. Every element's operations are the same whatever M is: batch-invariant.
+// The q4_1 / q8_0 kernels proper (kernel_vnni above, row-major, is the reference the tests
+// check these against), with one output column per int32 lane. Weights are repacked
+// into tiles of sixteen columns, block by block, so one tile's block is one contiguous run
+// and each 64-byte group holds four consecutive weights of each of the 16 columns:
+//   q4_1: [16 x fp16 d][16 x fp16 m][g = 0..3: column c's nibble bytes 4g..4g+3, c = 0..15]  = 320 B
+//   q8_0: [16 x fp16 d][g = 0..7: column c's weights 4g..4g+3 as unsigned bytes q + 128]     = 544 B
+// (q4_1 group g's low nibbles are elements 4g..4g+3, its high nibbles 16 + 4g..; so weight
+// register j = 0..7 always meets x[4j..4j+3], broadcast to every lane.) Per row and block,
+// eight vpdpbusd give each column's exact integer dot product in its own lane (q8_0 starts
+// from -128 * sum(x_q), which cancels the +128 of its weights), then one conversion, one
+// multiply (d_c * dx) and one fma accumulate it in float in block order; q4_1's m terms go
+// into a second 16-lane accumulator by one fma. Output: (acc + m acc) + bias. Every
+// element's operations are the same whatever M is and wherever its tile falls among the
+// threads: batch-invariant. The layout it replaced (four columns in 4 lanes each, a
+// shuffle-heavy q8_0 path) spent about 4x the vector operations per row, which a verify
+// block of 8-9 rows pays for: bench/weight_only.py has the before and after.
 
-constexpr int Q4X4_BYTES = 80;
-constexpr int Q8X4_BYTES = 136;
+constexpr int Q4X16_BYTES = 320;
+constexpr int Q8X16_BYTES = 544;
 
-// one row's four column results of a tile (bias already added where the tile is whole; a
-// tile cut by N adds each column's bias itself)
-inline void store_cols4(float* yr, __m128 r, const float* bias, int64_t n, int64_t N) {
-  if (n + 4 <= N) {
-    _mm_storeu_ps(yr, r);
-    return;
-  }
-  float tmp[4];
-  _mm_storeu_ps(tmp, r);
-  for (int c = 0; c < 4 && n + c < N; c++) yr[c] = tmp[c] + (bias ? bias[n + c] : 0.0f);
-}
+inline uint32_t tile_mask16(int64_t n, int64_t N) { return n + 16 <= N ? 0xFFFFu : (1u << (N - n)) - 1u; }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
-inline __m128 col_sums(__m512 acc) {
-  // per column c (lanes 4c..4c+3): (l0 + l2) + (l1 + l3)
-  __m512 a = _mm512_add_ps(acc, _mm512_shuffle_ps(acc, acc, 0x4E));  // l0+l2, l1+l3, l2+l0, l3+l1
-  __m512 b = _mm512_add_ps(a, _mm512_shuffle_ps(a, a, 0xB1));         // (l0+l2)+(l1+l3) in every lane
-  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), b));
-}
-
+// MT rows share each block's weight registers; per row the eight vpdpbusd run as one
+// chain, and the rows' chains overlap out of order (measured here: ~80% of the core's
+// vpdpbusd throughput from 8 rows; interleaving the rows by hand was slower, the row
+// pointers no longer fit in registers).
 template <int FMT, int MT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
-inline void qx4_tile(const QuantizedRows& xq, const uint8_t* w4, const float* bias, float* y, int64_t N, int64_t K,
-                     int64_t m0, int64_t n) {
+inline void qx16_tile(const QuantizedRows& xq, const uint8_t* tile, const float* bias, float* y, int64_t N,
+                      int64_t K, int64_t m0, int64_t n) {
   const int64_t nb = K / BLOCK;
-  constexpr int TB = FMT == Q4_1 ? Q4X4_BYTES : Q8X4_BYTES;
-  const uint8_t* tile = w4 + (n / 4) * nb * TB;
-  __m512 acc[MT];
-  __m128 macc[MT];
+  constexpr int TB = FMT == Q4_1 ? Q4X16_BYTES : Q8X16_BYTES;
+  __m512 acc[MT], macc[MT];
 #pragma GCC unroll 8
-  for (int t = 0; t < MT; t++) { acc[t] = _mm512_setzero_ps(); macc[t] = _mm_setzero_ps(); }
+  for (int t = 0; t < MT; t++) { acc[t] = _mm512_setzero_ps(); macc[t] = _mm512_setzero_ps(); }
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   for (int64_t blk = 0; blk < nb; blk++) {
     const uint8_t* p = tile + blk * TB;
-    _mm_prefetch((const char*)(p + 2 * nb * TB), _MM_HINT_T0);
-    _mm_prefetch((const char*)(p + 2 * nb * TB + 64), _MM_HINT_T0);
-    // the four columns' d (and m), each repeated over its column's four lanes
-    __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)p));
-    __m512 dv = _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-                                      _mm512_castps128_ps512(d4));
-    __m128 m4 = FMT == Q4_1 ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(p + 8))) : _mm_setzero_ps();
-    __m512i wlo, whi, wabs0, wabs1, wsgn0, wsgn1;
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+    __m512 mv = _mm512_setzero_ps();
+    __m512i w[8];
     if constexpr (FMT == Q4_1) {
-      __m512i q = _mm512_loadu_si512((const void*)(p + 16));  // 4 columns x 16 nibble bytes
-      wlo = _mm512_and_si512(q, low4);
-      whi = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+      mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 32)));
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; g++) {
+        const __m512i q = _mm512_loadu_si512((const void*)(p + 64 + 64 * g));
+        w[g] = _mm512_and_si512(q, low4);
+        w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+      }
     } else {
-      wsgn0 = _mm512_loadu_si512((const void*)(p + 8));   // columns 0, 1: 32 int8 each
-      wsgn1 = _mm512_loadu_si512((const void*)(p + 72));  // columns 2, 3
-      wabs0 = _mm512_abs_epi8(wsgn0);
-      wabs1 = _mm512_abs_epi8(wsgn1);
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; g++) w[g] = _mm512_loadu_si512((const void*)(p + 32 + 64 * g));
     }
 #pragma GCC unroll 8
     for (int t = 0; t < MT; t++) {
       const int64_t r = m0 + t;
       const int8_t* xr = xq.q.data() + r * K + blk * BLOCK;
-      __m512i dot;
-      if constexpr (FMT == Q4_1) {
-        __m512i xlo = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)xr));
-        __m512i xhi = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xr + 16)));
-        dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wlo, xlo), whi, xhi);
-      } else {
-        // |w| x (x with w's sign): two columns per register, 8 lanes each
-        __m512i x2 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)xr));
-        __m512i xs0 = _mm512_mask_sub_epi8(x2, _mm512_movepi8_mask(wsgn0), _mm512_setzero_si512(), x2);
-        __m512i xs1 = _mm512_mask_sub_epi8(x2, _mm512_movepi8_mask(wsgn1), _mm512_setzero_si512(), x2);
-        __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs0, xs0);  // c0: lanes 0-7, c1: 8-15
-        __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs1, xs1);
-        // 8 lanes per column -> 4: pairs of lanes, exact in integers
-        __m512i p0 = _mm512_add_epi32(d0, _mm512_shuffle_epi32(d0, (_MM_PERM_ENUM)0x4E));
-        __m512i p1 = _mm512_add_epi32(d1, _mm512_shuffle_epi32(d1, (_MM_PERM_ENUM)0x4E));
-        // gather: lanes 0-3 <- c0 (p0 lanes 0,1,4,5), 4-7 <- c1 (p0 8,9,12,13), 8-11 <- c2, 12-15 <- c3
-        __m512i idx = _mm512_set_epi32(29, 28, 25, 24, 21, 20, 17, 16, 13, 12, 9, 8, 5, 4, 1, 0);
-        dot = _mm512_permutex2var_epi32(p0, idx, p1);
-      }
-      const float dx = xq.scale[r * nb + blk];
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, _mm512_set1_ps(dx)), acc[t]);
-      if constexpr (FMT == Q4_1) macc[t] = _mm_fmadd_ps(m4, _mm_set1_ps(xq.qsum[r * nb + blk]), macc[t]);
+      __m512i dot = FMT == Q8_0 ? _mm512_set1_epi32(-128 * xq.isum[r * nb + blk]) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; g++)  // x's four bytes broadcast by the instruction itself (GCC does not fold it)
+        __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(dot) : "v"(w[g]), "m"(*(const int32_t*)(xr + 4 * g)));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, _mm512_set1_ps(xq.scale[r * nb + blk])),
+                               acc[t]);
+      if constexpr (FMT == Q4_1) macc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xq.qsum[r * nb + blk]), macc[t]);
     }
   }
-  const __m128 bv = bias && n + 4 <= N ? _mm_loadu_ps(bias + n) : _mm_setzero_ps();
-  for (int t = 0; t < MT; t++)
-    store_cols4(y + (m0 + t) * N + n, _mm_add_ps(_mm_add_ps(col_sums(acc[t]), macc[t]), bv), bias, n, N);
+  const __mmask16 mask = (__mmask16)tile_mask16(n, N);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+  for (int t = 0; t < MT; t++) {
+    const __m512 v = FMT == Q4_1 ? _mm512_add_ps(acc[t], macc[t]) : acc[t];
+    _mm512_mask_storeu_ps(y + (m0 + t) * N + n, mask, _mm512_add_ps(v, bv));
+  }
 }
 
 template <int FMT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
-void kernel_qx4(const QuantizedRows& xq, const uint8_t* w4, const float* bias, float* y, int64_t M, int64_t N,
-                int64_t K, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; n += 4) {
+void kernel_qx16(const QuantizedRows& xq, const uint8_t* w16, const float* bias, float* y, int64_t M, int64_t N,
+                 int64_t K, int64_t t0, int64_t t1) {
+  constexpr int TB = FMT == Q4_1 ? Q4X16_BYTES : Q8X16_BYTES;
+  const int64_t nb = K / BLOCK;
+  for (int64_t t = t0; t < t1; t++) {
+    const uint8_t* tile = w16 + t * nb * TB;
+    const int64_t n = t * 16;
     int64_t m0 = 0;
-    for (; M - m0 >= 8; m0 += 8) qx4_tile<FMT, 8>(xq, w4, bias, y, N, K, m0, n);
-    for (; M - m0 >= 4; m0 += 4) qx4_tile<FMT, 4>(xq, w4, bias, y, N, K, m0, n);
-    for (; M - m0 >= 2; m0 += 2) qx4_tile<FMT, 2>(xq, w4, bias, y, N, K, m0, n);
-    for (; m0 < M; m0++) qx4_tile<FMT, 1>(xq, w4, bias, y, N, K, m0, n);
+    for (; M - m0 >= 8; m0 += 8) qx16_tile<FMT, 8>(xq, tile, bias, y, N, K, m0, n);
+    for (; M - m0 >= 4; m0 += 4) qx16_tile<FMT, 4>(xq, tile, bias, y, N, K, m0, n);
+    for (; M - m0 >= 2; m0 += 2) qx16_tile<FMT, 2>(xq, tile, bias, y, N, K, m0, n);
+    for (; m0 < M; m0++) qx16_tile<FMT, 1>(xq, tile, bias, y, N, K, m0, n);
   }
 }
 
-// The same int8-activation product on AVX2 (no VNNI): maddubs (u8 x s8 pairs into int16)
-// then madd with ones (int16 pairs into int32) sums the same four bytes per int32 lane as
-// vpdpbusd, exactly (q4_1: at most 2 x 15 x 127 per int16; q8_0 goes through |w| and x
-// with w's sign, at most 2 x 127 x 127). Each 512-bit register of kernel_qx4 is two 256-bit
-// halves here (columns 0-1 and 2-3) with the same float operations per lane, so the two
-// paths give the same bits; only the speed differs.
+// The same on AVX2 without VNNI: each 16-lane register is two 8-lane halves (columns 0-7,
+// 8-15) with the same float operations per lane, and the integer dots are the same exact
+// integers by another route (maddubs then madd with ones sums the same four bytes per
+// int32 lane; q8_0 goes through |w| and x with w's sign, at most 2 x 128 x 127 per int16,
+// since maddubs would saturate on q + 128). So both paths give the same bits.
 
+template <int FMT>
 __attribute__((target("avx2,fma,f16c")))
-inline __m256i dot4_u8s8(__m256i w, __m256i x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
-}
-
-// q8_0: one column's 32 |w| x signed-x products -> its 4 lanes ((b0-3 + b8-11), (b4-7 +
-// b12-15), (b16-19 + b24-27), (b20-23 + b28-31)), as kernel_qx4 folds them
-__attribute__((target("avx2,fma,f16c")))
-inline __m256i q8_col_pair(__m256i wa, __m256i wb, __m256i x) {
-  __m256i da = dot4_u8s8(_mm256_abs_epi8(wa), _mm256_sign_epi8(x, wa));
-  __m256i db = dot4_u8s8(_mm256_abs_epi8(wb), _mm256_sign_epi8(x, wb));
-  da = _mm256_add_epi32(da, _mm256_shuffle_epi32(da, 0x4E));
-  db = _mm256_add_epi32(db, _mm256_shuffle_epi32(db, 0x4E));
-  return _mm256_permute4x64_epi64(_mm256_unpacklo_epi64(da, db), 0xD8);
-}
-
-__attribute__((target("avx2,fma,f16c")))
-inline __m256 col_sums_256(__m256 acc) {
-  __m256 a = _mm256_add_ps(acc, _mm256_shuffle_ps(acc, acc, 0x4E));
-  return _mm256_add_ps(a, _mm256_shuffle_ps(a, a, 0xB1));  // column sums in lanes 0 and 4
-}
-
-template <int FMT, int MT>
-__attribute__((target("avx2,fma,f16c")))
-inline void qx4_tile_256(const QuantizedRows& xq, const uint8_t* w4, const float* bias, float* y, int64_t N,
-                         int64_t K, int64_t m0, int64_t n) {
+inline void qx16_row_256(const QuantizedRows& xq, const uint8_t* tile, const float* bias, float* y, int64_t N,
+                         int64_t K, int64_t r, int64_t n) {
   const int64_t nb = K / BLOCK;
-  constexpr int TB = FMT == Q4_1 ? Q4X4_BYTES : Q8X4_BYTES;
-  const uint8_t* tile = w4 + (n / 4) * nb * TB;
-  __m256 acc01[MT], acc23[MT];
-  __m128 macc[MT];
-#pragma GCC unroll 4
-  for (int t = 0; t < MT; t++) { acc01[t] = acc23[t] = _mm256_setzero_ps(); macc[t] = _mm_setzero_ps(); }
-  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  constexpr int TB = FMT == Q4_1 ? Q4X16_BYTES : Q8X16_BYTES;
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, macc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  const __m256i low4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x80);
   for (int64_t blk = 0; blk < nb; blk++) {
     const uint8_t* p = tile + blk * TB;
-    _mm_prefetch((const char*)(p + 2 * nb * TB), _MM_HINT_T0);
-    _mm_prefetch((const char*)(p + 2 * nb * TB + 64), _MM_HINT_T0);
-    const __m256 d4 = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)p)));
-    const __m256 dv01 = _mm256_permutevar8x32_ps(d4, _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0));
-    const __m256 dv23 = _mm256_permutevar8x32_ps(d4, _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2));
-    __m128 m4 = FMT == Q4_1 ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(p + 8))) : _mm_setzero_ps();
-    __m256i wlo01, whi01, wlo23, whi23, w0, w1, w2, w3;
-    if constexpr (FMT == Q4_1) {
-      __m256i q01 = _mm256_loadu_si256((const __m256i*)(p + 16)), q23 = _mm256_loadu_si256((const __m256i*)(p + 48));
-      wlo01 = _mm256_and_si256(q01, low4);
-      whi01 = _mm256_and_si256(_mm256_srli_epi16(q01, 4), low4);
-      wlo23 = _mm256_and_si256(q23, low4);
-      whi23 = _mm256_and_si256(_mm256_srli_epi16(q23, 4), low4);
-    } else {
-      w0 = _mm256_loadu_si256((const __m256i*)(p + 8));
-      w1 = _mm256_loadu_si256((const __m256i*)(p + 40));
-      w2 = _mm256_loadu_si256((const __m256i*)(p + 72));
-      w3 = _mm256_loadu_si256((const __m256i*)(p + 104));
-    }
-#pragma GCC unroll 4
-    for (int t = 0; t < MT; t++) {
-      const int64_t r = m0 + t;
-      const int8_t* xr = xq.q.data() + r * K + blk * BLOCK;
-      __m256i dot01, dot23;
-      if constexpr (FMT == Q4_1) {
-        __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)xr));
-        __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(xr + 16)));
-        dot01 = _mm256_add_epi32(dot4_u8s8(wlo01, xlo), dot4_u8s8(whi01, xhi));
-        dot23 = _mm256_add_epi32(dot4_u8s8(wlo23, xlo), dot4_u8s8(whi23, xhi));
-      } else {
-        __m256i x = _mm256_loadu_si256((const __m256i*)xr);
-        dot01 = q8_col_pair(w0, w1, x);
-        dot23 = q8_col_pair(w2, w3, x);
+    const int8_t* xr = xq.q.data() + r * K + blk * BLOCK;
+    const __m256 dx = _mm256_set1_ps(xq.scale[r * nb + blk]);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+      __m256i dot = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; g++) {
+        int32_t xg;
+        std::memcpy(&xg, xr + 4 * g, 4);
+        const __m256i xv = _mm256_set1_epi32(xg);
+        __m256i prod;
+        if constexpr (FMT == Q4_1) {
+          const __m256i q = _mm256_loadu_si256((const __m256i*)(p + 64 + 64 * (g & 3) + 32 * h));
+          const __m256i wq = g < 4 ? _mm256_and_si256(q, low4) : _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+          prod = _mm256_maddubs_epi16(wq, xv);
+        } else {
+          const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(p + 32 + 64 * g + 32 * h)), flip);
+          prod = _mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(xv, ws));
+        }
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(prod, _mm256_set1_epi16(1)));
       }
-      const __m256 dx = _mm256_set1_ps(xq.scale[r * nb + blk]);
-      acc01[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot01), _mm256_mul_ps(dv01, dx), acc01[t]);
-      acc23[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot23), _mm256_mul_ps(dv23, dx), acc23[t]);
-      if constexpr (FMT == Q4_1) macc[t] = _mm_fmadd_ps(m4, _mm_set1_ps(xq.qsum[r * nb + blk]), macc[t]);
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16 * h)));
+      acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dv, dx), acc[h]);
+      if constexpr (FMT == Q4_1) {
+        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 32 + 16 * h)));
+        macc[h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xq.qsum[r * nb + blk]), macc[h]);
+      }
     }
   }
-  const __m128 bv = bias && n + 4 <= N ? _mm_loadu_ps(bias + n) : _mm_setzero_ps();
-  for (int t = 0; t < MT; t++) {
-    __m256 s01 = col_sums_256(acc01[t]), s23 = col_sums_256(acc23[t]);
-    __m128 c01 = _mm_unpacklo_ps(_mm256_castps256_ps128(s01), _mm256_extractf128_ps(s01, 1));
-    __m128 c23 = _mm_unpacklo_ps(_mm256_castps256_ps128(s23), _mm256_extractf128_ps(s23, 1));
-    store_cols4(y + (m0 + t) * N + n, _mm_add_ps(_mm_add_ps(_mm_movelh_ps(c01, c23), macc[t]), bv), bias, n, N);
-  }
+  float out[16];
+  for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + 8 * h, FMT == Q4_1 ? _mm256_add_ps(acc[h], macc[h]) : acc[h]);
+  for (int c = 0; c < 16 && n + c < N; c++) y[r * N + n + c] = out[c] + (bias ? bias[n + c] : 0.0f);
 }
 
 template <int FMT>
 __attribute__((target("avx2,fma,f16c")))
-void kernel_qx4_256(const QuantizedRows& xq, const uint8_t* w4, const float* bias, float* y, int64_t M, int64_t N,
-                    int64_t K, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; n += 4) {
-    int64_t m0 = 0;
-    for (; M - m0 >= 4; m0 += 4) qx4_tile_256<FMT, 4>(xq, w4, bias, y, N, K, m0, n);
-    for (; M - m0 >= 2; m0 += 2) qx4_tile_256<FMT, 2>(xq, w4, bias, y, N, K, m0, n);
-    for (; m0 < M; m0++) qx4_tile_256<FMT, 1>(xq, w4, bias, y, N, K, m0, n);
-  }
+void kernel_qx16_256(const QuantizedRows& xq, const uint8_t* w16, const float* bias, float* y, int64_t M, int64_t N,
+                     int64_t K, int64_t t0, int64_t t1) {
+  constexpr int TB = FMT == Q4_1 ? Q4X16_BYTES : Q8X16_BYTES;
+  const int64_t nb = K / BLOCK;
+  for (int64_t t = t0; t < t1; t++)
+    for (int64_t r = 0; r < M; r++) qx16_row_256<FMT>(xq, w16 + t * nb * TB, bias, y, N, K, r, t * 16);
 }
 
 // ---------------------------------------------------------------------------- AVX2
@@ -1053,28 +989,29 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
 
 // q [n, H, D], k and v [G, S, D] float32 (G KV heads, H a multiple of G), mask [n, S]
 // bool (true = attend) or undefined (every key); returns [n, H, D] float32
-// x float32 [M, K]; w the 4-interleaved q4_1 / q8_0 tiles (N rounded up to 4)
+// x float32 [M, K]; w the 16-interleaved q4_1 / q8_0 tiles (N rounded up to 16)
 // isa: -1 the best this CPU has, 3 VNNI, 1 AVX2 (both give the same bits)
-torch::Tensor qlinear4(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t fmt, int64_t N,
-                       int64_t isa) {
+torch::Tensor qlinear16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t fmt, int64_t N,
+                        int64_t isa) {
   if (isa < 0) isa = has_vnni() ? VNNI : AVX2;
   const bool vnni = isa == VNNI;
-  TORCH_CHECK(isa == VNNI || isa == AVX2, "qlinear4 runs on VNNI (3) or AVX2 (1)");
+  TORCH_CHECK(isa == VNNI || isa == AVX2, "qlinear16 runs on VNNI (3) or AVX2 (1)");
   TORCH_CHECK(!vnni || has_vnni(), "this CPU has no AVX-512 VNNI");
   TORCH_CHECK(vnni || best_isa() >= AVX2, "this CPU has no AVX2");
-  TORCH_CHECK(fmt == Q4_1 || fmt == Q8_0, "qlinear4 reads q4_1 and q8_0 tiles");
+  TORCH_CHECK(fmt == Q4_1 || fmt == Q8_0, "qlinear16 reads q4_1 and q8_0 tiles");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), nb = K / BLOCK;
   TORCH_CHECK(K % BLOCK == 0, "K must be a multiple of 32");
-  const int64_t n_pad = (N + 3) / 4 * 4;
-  const int64_t tb = fmt == Q4_1 ? Q4X4_BYTES : Q8X4_BYTES;
-  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == n_pad / 4 * nb * tb,
-              "w must hold the 4-interleaved tiles");
+  const int64_t tiles = (N + 15) / 16;
+  const int64_t tb = fmt == Q4_1 ? Q4X16_BYTES : Q8X16_BYTES;
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == tiles * nb * tb,
+              "w must hold the 16-interleaved tiles");
   const float* bptr = nullptr;
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
     b = bias->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias must have N elements");
     bptr = b.data_ptr<float>();
   }
   QuantizedRows xq;
@@ -1082,12 +1019,12 @@ torch::Tensor qlinear4(torch::Tensor x, torch::Tensor w, c10::optional<torch::Te
   auto y = torch::empty({M, N}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(4, n_pad / 4 / (4 * std::max(1, at::get_num_threads())));
-  at::parallel_for(0, n_pad / 4, grain, [&](int64_t t0, int64_t t1) {
-    if (vnni && fmt == Q4_1) kernel_qx4<Q4_1>(xq, wp, bptr, yp, M, N, K, t0 * 4, t1 * 4);
-    else if (vnni) kernel_qx4<Q8_0>(xq, wp, bptr, yp, M, N, K, t0 * 4, t1 * 4);
-    else if (fmt == Q4_1) kernel_qx4_256<Q4_1>(xq, wp, bptr, yp, M, N, K, t0 * 4, t1 * 4);
-    else kernel_qx4_256<Q8_0>(xq, wp, bptr, yp, M, N, K, t0 * 4, t1 * 4);
+  const int64_t grain = std::max<int64_t>(1, tiles / (4 * std::max(1, at::get_num_threads())));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    if (vnni && fmt == Q4_1) kernel_qx16<Q4_1>(xq, wp, bptr, yp, M, N, K, t0, t1);
+    else if (vnni) kernel_qx16<Q8_0>(xq, wp, bptr, yp, M, N, K, t0, t1);
+    else if (fmt == Q4_1) kernel_qx16_256<Q4_1>(xq, wp, bptr, yp, M, N, K, t0, t1);
+    else kernel_qx16_256<Q8_0>(xq, wp, bptr, yp, M, N, K, t0, t1);
   });
   return y;
 }
@@ -1387,7 +1324,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the ISA the float kernels dispatch to: 0 scalar, 1 avx2, 2 avx512");
   m.def("vnni", &vnni, "whether the int8-activation VNNI kernel runs here");
   m.def("bf16_linear", &bf16_linear, "bf16 x bf16 linear with float32 sums (AVX512-BF16, batch-invariant)");
-  m.def("qlinear4", &qlinear4, "q4_1 / q8_0 tiles x int8 activations (VNNI or AVX2, batch-invariant)",
+  m.def("qlinear16", &qlinear16, "q4_1 / q8_0 16-column tiles x int8 activations (VNNI or AVX2, batch-invariant)",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("fmt"), py::arg("N"), py::arg("isa") = -1);
   m.def("int8dot", &int8dot, "the ISA of the int8-activation kernels here: 3 VNNI, 1 AVX2, 0 none");
   m.def("rope_", &rope_, "RoPE in place (float32 / bfloat16)");

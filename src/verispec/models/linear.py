@@ -117,7 +117,7 @@ class Linear(nn.Module):
             self.packed, self.chunk = packed, int(chunk or 0)
         else:
             from verispec import kernels
-            from verispec.models.quant import interleave4, interleave4_blocks, quantize
+            from verispec.models.quant import interleave4, interleave16_blocks, quantize
 
             if not kernel_runs(base, dense.dtype):
                 return False
@@ -125,11 +125,11 @@ class Linear(nn.Module):
             if base == "bf16dot":
                 self.blocks = interleave4(dense)
             elif base.endswith("-i8"):
-                self.blocks = interleave4_blocks(quantize(dense, fmt), fmt)
+                self.blocks = interleave16_blocks(quantize(dense, fmt), fmt)
             else:
                 self.blocks = quantize(dense, fmt)
             self._fmt = kernels.FORMATS[fmt]
-            self._isa = 3 if base.endswith("-i8") else -1  # 3: qlinear4 (int8 activations)
+            self._isa = 3 if base.endswith("-i8") else -1  # 3: qlinear16 (int8 activations)
         self.kernel = base if base != "onednn" or not chunk else kernel
         self._dtype = dense.dtype
         self._call = _kernel_call(self) if self.blocks is not None else None
@@ -167,7 +167,7 @@ def _kernel_call(layer: Linear):
         fn = mod.bf16_linear
         return lambda x: fn(x, blocks, bias, n, False)
     if layer._isa == 3:
-        fn = mod.qlinear4
+        fn = mod.qlinear16
 
         def int8(x):
             y = fn(x if x.dtype == torch.float32 else x.float(), blocks, bias, fmt, n)

@@ -108,20 +108,26 @@ def dequantize(blocks: torch.Tensor, fmt: str, k: int) -> torch.Tensor:
     return torch.from_numpy(w.reshape(n, k))
 
 
-def interleave4_blocks(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
-    """[N, row_bytes] q4_1 / q8_0 rows -> the VNNI kernel's tiles of four columns, block by
-    block: q4_1 [4 x d][4 x m][4 x 16 nibble bytes], q8_0 [4 x d][4 x 32 int8] (N padded
-    with zero rows to a multiple of 4)."""
+def interleave16_blocks(blocks: torch.Tensor, fmt: str) -> torch.Tensor:
+    """[N, row_bytes] q4_1 / q8_0 rows -> the int8 kernel's tiles of sixteen columns, block
+    by block (N padded with zero rows to a multiple of 16); in each block's 64-byte groups
+    lane c holds four consecutive weights of column c:
+    q4_1 [16 x d][16 x m][group g = 0..3: nibble bytes 4g..4g+3 of each column],
+    q8_0 [16 x d][group g = 0..7: weights 4g..4g+3 of each column, as q + 128]."""
     n = blocks.shape[0]
     size = FORMAT_BYTES[fmt]
-    pad = (-n) % 4
+    pad = (-n) % 16
     b = blocks.cpu().numpy().reshape(n, -1, size)
     if pad:
         b = np.concatenate([b, np.zeros((pad, b.shape[1], size), dtype=np.uint8)])
-    t = b.reshape(-1, 4, b.shape[1], size).transpose(0, 2, 1, 3)  # [tiles, blocks, 4 columns, block bytes]
+    nb = b.shape[1]
+    t = b.reshape(-1, 16, nb, size).transpose(0, 2, 1, 3)  # [tiles, blocks, 16 columns, block bytes]
+    lead = t.shape[:2]
+    d = t[..., 0:2].reshape(*lead, 32)
     if fmt == "q4_1":
-        out = np.concatenate([t[..., 0:2].reshape(*t.shape[:2], 8), t[..., 2:4].reshape(*t.shape[:2], 8),
-                              t[..., 4:].reshape(*t.shape[:2], 64)], axis=-1)
+        groups = t[..., 4:].reshape(*lead, 16, 4, 4).transpose(0, 1, 3, 2, 4).reshape(*lead, 256)
+        out = np.concatenate([d, t[..., 2:4].reshape(*lead, 32), groups], axis=-1)
     else:
-        out = np.concatenate([t[..., 0:2].reshape(*t.shape[:2], 8), t[..., 2:].reshape(*t.shape[:2], 128)], axis=-1)
+        q = t[..., 2:] ^ np.uint8(0x80)  # int8 q as the unsigned byte q + 128
+        out = np.concatenate([d, q.reshape(*lead, 16, 8, 4).transpose(0, 1, 3, 2, 4).reshape(*lead, 512)], axis=-1)
     return torch.from_numpy(np.ascontiguousarray(out)).reshape(-1)
