@@ -235,6 +235,37 @@ def test_dspark_greedy_output_equals_plain_decoding(oracle_set, target, drafter)
     assert spec.drafting.totals.accepted > 50, "the adaptive policy kept a good drafter drafting"
 
 
+def test_an_int8_drafter_is_the_float_drafter_within_int8_rounding_and_changes_no_token(oracle_set, target):
+    """Serving puts a drafter's linears in q8_0 where that measures faster: an approximation
+    of the drafter (DeepSpec's block forward as the oracle, within int8 rounding), which
+    speculation must still turn into exactly the plain greedy output."""
+    from tests.tiny_models import CharTokenizer
+    from verispec import kernels
+    from verispec.drafting.dspark.packing import Int8Linear
+    from verispec.drafting.dspark.source import DSparkProvider
+    from verispec.engine.engine import Engine, EngineConfig
+    from verispec.engine.request import GenerationRequest
+
+    if not kernels.available() or not kernels.load().int8dot():
+        pytest.skip("verispec's int8 kernels do not run on this CPU")
+    tensors, meta = load_file(str(oracle_set / "module_io.safetensors")), json.loads((oracle_set / "module_io.json").read_text())
+    drafter = load_dspark(oracle_set / "drafter", dtype=torch.float32, int8="on")
+    linears = [m for m in drafter.modules() if isinstance(m, torch.nn.Linear)]
+    assert [isinstance(m, Int8Linear) for m in linears] == [m.in_features % 32 == 0 for m in linears]
+    assert "q8_0" in drafter.kernel_note
+    h = drafter.draft_hidden([drafter.new_cache(64)], [tensors["context_features"][0]], [meta["anchor"]])
+    theirs = tensors["base_logits"][0]
+    err = (drafter.base_logits(h)[0] - theirs).abs().max().item()
+    assert 0 < err <= 0.03 * theirs.abs().max().item(), f"int8 logits off by {err}"
+
+    plain = Engine(target.model, CharTokenizer(), target.stop_ids, EngineConfig(kv_budget=2**30))
+    spec = Engine(target.model, CharTokenizer(), target.stop_ids, EngineConfig(kv_budget=2**30),
+                  drafter=DSparkProvider(drafter, confidence_threshold=0.5))
+    for prompt in _prompts(oracle_set)[:4]:
+        assert spec.generate(GenerationRequest(prompt, 48)).token_ids == plain.generate(GenerationRequest(prompt, 48)).token_ids
+    assert spec.drafting.totals.accepted > 30
+
+
 # -- temperature > 0: DSpark's q through the request's processors ------------------------------
 
 

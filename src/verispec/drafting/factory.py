@@ -106,7 +106,7 @@ def load_drafter(target, name: str, dtype, confidence_threshold: float | None = 
             from verispec.drafting.dspark.checkpoint import load_dspark
             from verispec.drafting.dspark.source import DSparkProvider
 
-            drafter = load_dspark(folder, target=target, dtype=dtype, device=target.model.device)
+            drafter = load_dspark(folder, target=target, dtype=dtype, device=target.model.device, int8="auto")
             return DSparkProvider(drafter, f"DSpark {label or display_name(name)}", confidence_threshold)
         if kind == "gemma4_assistant":
             from verispec.drafting.gemma4_assistant import AssistantMismatchError, load_assistant

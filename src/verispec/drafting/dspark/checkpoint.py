@@ -66,10 +66,12 @@ def draft_kind(folder: Path) -> str:
 
 
 def load_dspark(folder: Path, target=None, dtype: torch.dtype = torch.float32, device="cpu",
-                prepare: bool = True) -> DSparkDrafter:
+                prepare: bool = True, int8: str = "off") -> DSparkDrafter:
     """A drafter from a DeepSpec-format folder. `target` (a LoadedModel) is checked for
     compatibility and supplies the frozen embedding/head when the file leaves them out.
-    `prepare`: ready for decoding (packed weights); False for training or editing."""
+    `prepare`: ready for decoding (packed weights); False for training or editing.
+    `int8`: "auto" puts linears in q8_0 where that measures faster (serving; not the
+    exact drafter), "on" wherever the kernel runs, "off" (the default) keeps the exact drafter."""
     folder = Path(folder)
     config = DSparkConfig.from_dict(read_config(folder))
     if target is not None:
@@ -91,7 +93,7 @@ def load_dspark(folder: Path, target=None, dtype: torch.dtype = torch.float32, d
     state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()}
     drafter.load_state_dict(state, strict=True, assign=True)
     drafter = drafter.to(device)
-    return drafter.prepare_for_inference() if prepare else drafter
+    return drafter.prepare_for_inference(int8=int8) if prepare else drafter
 
 
 def check_compatible(config: DSparkConfig, target_args) -> None:

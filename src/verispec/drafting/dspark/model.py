@@ -311,14 +311,16 @@ class DSparkDrafter(nn.Module):
             tokens.append(prev)
         return torch.stack(tokens, dim=1), (torch.stack(confidences, dim=1) if confidences else None)
 
-    def prepare_for_inference(self, pack: bool = True) -> "DSparkDrafter":
+    def prepare_for_inference(self, pack: bool = True, int8: str = "off") -> "DSparkDrafter":
         """Eval mode, no gradients and, on CPU, every linear layer's weight pre-packed for
-        oneDNN (drafting/dspark/packing.py). The state dict is unchanged."""
+        oneDNN, or with int8 "auto" in q8_0 where that measures faster (drafting/dspark/
+        packing.py: the drafts may then differ from the exact drafter's at near-ties). The
+        state dict is unchanged; `kernel_note` says what was chosen."""
         from verispec.drafting.dspark.packing import pack_linears
 
         self.eval().requires_grad_(False)
         if pack:
-            pack_linears(self)
+            self.kernel_note = pack_linears(self, int8=int8, rows=(1, self.block_size))
         return self
 
 

@@ -49,7 +49,8 @@ def run_measure(args) -> int:
         raise UserError("no eval prompts found: pass --eval-dir (a folder of mt-bench.jsonl, gsm8k.jsonl, ...)")
     loaded = load_for_serving(args.model or DEFAULT_MODEL, args.dtype, args.kernels, args.quant,
                               progress=not args.quiet)
-    drafter = load_dspark(newest_checkpoint(Path(args.drafter)), target=loaded, dtype=drafter_dtype(args.dtype))
+    drafter = load_dspark(newest_checkpoint(Path(args.drafter)), target=loaded, dtype=drafter_dtype(args.dtype),
+                          int8="auto")  # as served
     g = drafter.block_size
     plain = make_engine(loaded)
     dspark = make_engine(loaded, DSparkProvider(drafter), adaptive=not args.fixed_draft, num_draft_tokens=g)
