@@ -623,48 +623,59 @@ void kernel_qx16(const QuantizedRows& xq, const uint8_t* w16, const float* bias,
 // int32 lane; q8_0 goes through |w| and x with w's sign, at most 2 x 128 x 127 per int16,
 // since maddubs would saturate on q + 128). So both paths give the same bits.
 
-template <int FMT>
+// One half of a tile (columns 8h..8h+7) for MT rows over all blocks: the rows share each
+// group's unpacked weights, and the two halves run one after the other, so the row
+// accumulators fit AVX2's sixteen registers.
+template <int FMT, int MT>
 __attribute__((target("avx2,fma,f16c")))
-inline void qx16_row_256(const QuantizedRows& xq, const uint8_t* tile, const float* bias, float* y, int64_t N,
-                         int64_t K, int64_t r, int64_t n) {
+inline void qx16_half_256(const QuantizedRows& xq, const uint8_t* tile, const float* bias, float* y, int64_t N,
+                          int64_t K, int64_t m0, int64_t n, int h) {
   const int64_t nb = K / BLOCK;
   constexpr int TB = FMT == Q4_1 ? Q4X16_BYTES : Q8X16_BYTES;
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, macc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  const __m256i low4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x80);
+  __m256 acc[MT], macc[MT];
+#pragma GCC unroll 4
+  for (int t = 0; t < MT; t++) { acc[t] = _mm256_setzero_ps(); macc[t] = _mm256_setzero_ps(); }
+  const __m256i low4 = _mm256_set1_epi8(0x0f), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
   for (int64_t blk = 0; blk < nb; blk++) {
     const uint8_t* p = tile + blk * TB;
-    const int8_t* xr = xq.q.data() + r * K + blk * BLOCK;
-    const __m256 dx = _mm256_set1_ps(xq.scale[r * nb + blk]);
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; h++) {
-      __m256i dot = _mm256_setzero_si256();
+    __m256i dot[MT];
+#pragma GCC unroll 4
+    for (int t = 0; t < MT; t++) dot[t] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-      for (int g = 0; g < 8; g++) {
-        int32_t xg;
-        std::memcpy(&xg, xr + 4 * g, 4);
-        const __m256i xv = _mm256_set1_epi32(xg);
-        __m256i prod;
-        if constexpr (FMT == Q4_1) {
-          const __m256i q = _mm256_loadu_si256((const __m256i*)(p + 64 + 64 * (g & 3) + 32 * h));
-          const __m256i wq = g < 4 ? _mm256_and_si256(q, low4) : _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-          prod = _mm256_maddubs_epi16(wq, xv);
-        } else {
-          const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(p + 32 + 64 * g + 32 * h)), flip);
-          prod = _mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(xv, ws));
-        }
-        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(prod, _mm256_set1_epi16(1)));
-      }
-      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16 * h)));
-      acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dv, dx), acc[h]);
+    for (int g = 0; g < 8; g++) {
+      __m256i wq;
       if constexpr (FMT == Q4_1) {
-        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 32 + 16 * h)));
-        macc[h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xq.qsum[r * nb + blk]), macc[h]);
+        const __m256i q = _mm256_loadu_si256((const __m256i*)(p + 64 + 64 * (g & 3) + 32 * h));
+        wq = g < 4 ? _mm256_and_si256(q, low4) : _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+      } else {
+        wq = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(p + 32 + 64 * g + 32 * h)), flip);  // signed q
+      }
+      const __m256i wabs = FMT == Q4_1 ? wq : _mm256_abs_epi8(wq);
+#pragma GCC unroll 4
+      for (int t = 0; t < MT; t++) {
+        int32_t xg;
+        std::memcpy(&xg, xq.q.data() + (m0 + t) * K + blk * BLOCK + 4 * g, 4);
+        __m256i xv = _mm256_set1_epi32(xg);
+        if constexpr (FMT == Q8_0) xv = _mm256_sign_epi8(xv, wq);
+        dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xv), ones));
       }
     }
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16 * h)));
+    const __m256 mv = FMT == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 32 + 16 * h))) : dv;
+#pragma GCC unroll 4
+    for (int t = 0; t < MT; t++) {
+      const int64_t r = m0 + t;
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_mul_ps(dv, _mm256_set1_ps(xq.scale[r * nb + blk])),
+                               acc[t]);
+      if constexpr (FMT == Q4_1) macc[t] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xq.qsum[r * nb + blk]), macc[t]);
+    }
   }
-  float out[16];
-  for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + 8 * h, FMT == Q4_1 ? _mm256_add_ps(acc[h], macc[h]) : acc[h]);
-  for (int c = 0; c < 16 && n + c < N; c++) y[r * N + n + c] = out[c] + (bias ? bias[n + c] : 0.0f);
+  for (int t = 0; t < MT; t++) {
+    float out[8];
+    _mm256_storeu_ps(out, FMT == Q4_1 ? _mm256_add_ps(acc[t], macc[t]) : acc[t]);
+    for (int c = 0; c < 8 && n + 8 * h + c < N; c++)
+      y[(m0 + t) * N + n + 8 * h + c] = out[c] + (bias ? bias[n + 8 * h + c] : 0.0f);
+  }
 }
 
 template <int FMT>
@@ -673,8 +684,15 @@ void kernel_qx16_256(const QuantizedRows& xq, const uint8_t* w16, const float* b
                      int64_t K, int64_t t0, int64_t t1) {
   constexpr int TB = FMT == Q4_1 ? Q4X16_BYTES : Q8X16_BYTES;
   const int64_t nb = K / BLOCK;
-  for (int64_t t = t0; t < t1; t++)
-    for (int64_t r = 0; r < M; r++) qx16_row_256<FMT>(xq, w16 + t * nb * TB, bias, y, N, K, r, t * 16);
+  for (int64_t t = t0; t < t1; t++) {
+    const uint8_t* tile = w16 + t * nb * TB;
+    for (int h = 0; h < 2 && t * 16 + 8 * h < N; h++) {
+      int64_t m0 = 0;
+      for (; M - m0 >= 4; m0 += 4) qx16_half_256<FMT, 4>(xq, tile, bias, y, N, K, m0, t * 16, h);
+      for (; M - m0 >= 2; m0 += 2) qx16_half_256<FMT, 2>(xq, tile, bias, y, N, K, m0, t * 16, h);
+      for (; m0 < M; m0++) qx16_half_256<FMT, 1>(xq, tile, bias, y, N, K, m0, t * 16, h);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------- AVX2
