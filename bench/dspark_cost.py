@@ -14,11 +14,14 @@ rank 16, one and two layers, the DeepSpec oracle's shape the default). A round i
   confidence   gamma confidence-head logits
   verify       the target forward of gamma + 1 tokens, minus the one plain step it replaces
 and `round` is the real provider path (DSparkProvider.draft_batch) timed whole, Python and
-all. Every cost is a fraction of one plain decode step of the target (best of N runs,
+all. By default the target is the plan `verispec serve` runs (`--plan served`: the kernels and
+weight formats measured for this machine, `--dtype` ignored) and the drafters are loaded as
+serving loads them (linears in q8_0 where that measures faster); `--plan dtype` times the
+unquantized target in `--dtype` with oneDNN-packed float drafters, as before 2026-12-04. Every cost is a fraction of one plain decode step of the target (best of N runs,
 same process). The drafting side (round) must be <= 25% of a step at gamma 7 for a
 trained drafter to pay on this CPU.
 
-    .venv/bin/python bench/dspark_cost.py [--dtype bfloat16] [--gamma 7] [--repeats 30] [--model M]
+    .venv/bin/python bench/dspark_cost.py [--plan served|dtype] [--dtype bfloat16] [--gamma 7] [--repeats 30] [--model M]
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def best_time(fn, repeats: int) -> float:
     return best
 
 
-def build(loaded, shape: dict, gamma: int, dtype, taps: list[int]):
+def build(loaded, shape: dict, gamma: int, dtype, taps: list[int], int8: str = "off"):
     from verispec.models.loader import read_config
     from verispec.drafting.dspark.config import DSparkConfig
     from verispec.drafting.dspark.model import DSparkDrafter
@@ -61,7 +64,7 @@ def build(loaded, shape: dict, gamma: int, dtype, taps: list[int]):
         read_config(loaded.folder), num_draft_layers=shape["layers"], block_size=gamma, target_layer_ids=taps,
         mask_token_id=0, markov_rank=shape["rank"], draft_vocab_size=subset)
     torch.manual_seed(0)
-    return DSparkDrafter(config).to(dtype).prepare_for_inference()
+    return DSparkDrafter(config).to(dtype).prepare_for_inference(int8=int8)
 
 
 def trainable_mb(drafter) -> float:
@@ -129,7 +132,9 @@ def measure(loaded, drafter, repeats: int, step_s: float, verify_s: float) -> di
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--plan", default="served", choices=["served", "dtype"],
+                    help="served: the target as `verispec serve` runs it (default); dtype: unquantized in --dtype")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="with --plan dtype")
     ap.add_argument("--gamma", type=int, default=7)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
@@ -138,11 +143,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from verispec.models.decoder import BatchKV
-    from verispec.models.loader import load_model
+    from verispec.models.loader import load_for_serving, load_model
     from verispec.training.dspark.features import default_taps
 
-    dtype = getattr(torch, args.dtype)
-    loaded = load_model(args.model, dtype=dtype)
+    served = args.plan == "served"
+    loaded = load_for_serving(args.model) if served else load_model(args.model, dtype=getattr(torch, args.dtype))
+    dtype = loaded.model.dtype
+    label = f"served plan ({str(dtype).removeprefix('torch.')})" if served else args.dtype
     model = loaded.model
     taps = default_taps(model.args.num_layers)  # what `verispec dspark train` taps by default
     small = model.args.vocab_size <= min(shape["draft_vocab"] for shape in SHAPES)
@@ -163,7 +170,7 @@ def main() -> None:
 
     rows = []
     for shape in shapes:
-        drafter = build(loaded, shape, args.gamma, dtype, taps)
+        drafter = build(loaded, shape, args.gamma, dtype, taps, int8="auto" if served else "off")
         fractions = measure(loaded, drafter, args.repeats, step_s, verify_s)
         rows.append({**shape, "draft_vocab": shape["draft_vocab"] or model.args.vocab_size,
                      "default": shape == default_shape, "trainable_mb": round(trainable_mb(drafter), 1),
@@ -171,7 +178,7 @@ def main() -> None:
 
     from verispec.models.kernel_plan import cpu_name
 
-    print(f"\n{args.model} ({rows[0]['architecture']} drafters) {args.dtype}, gamma {args.gamma}, {args.threads} threads, "
+    print(f"\n{args.model} ({rows[0]['architecture']} drafters) {label}, gamma {args.gamma}, {args.threads} threads, "
           f"{cpu_name()}; one plain decode step "
           f"= {step_s * 1000:.2f} ms; verify of {args.gamma + 1} tokens = {verify_s / step_s:.2f} steps")
     print(f"{'layers':>6}{'rank':>6}{'draft vocab':>12}{'MB':>7}{'backbone':>10}{'base head':>10}{'sequential':>11}"
@@ -188,7 +195,8 @@ def main() -> None:
         per_layer = default["backbone"] / default["layers"] * model.args.num_layers
         print(f"drafting side (round) of the default shape: {default['round']:.0%} of a target step; a draft layer's "
               f"backbone share x the target's {model.args.num_layers} layers = {per_layer:.0%} of a step")
-    print(json.dumps({"bench": "dspark_cost", "model": args.model, "cpu": cpu_name(), "dtype": args.dtype,
+    print(json.dumps({"bench": "dspark_cost", "model": args.model, "cpu": cpu_name(), "plan": args.plan,
+                      "dtype": str(dtype).removeprefix("torch."),
                       "gamma": args.gamma, "threads": args.threads,
                       "target_step_ms": round(step_s * 1000, 3), "verify_steps": round(verify_s / step_s, 3),
                       "rows": rows, "default_round_fraction": default["round"], "target_fraction": 0.25}))
