@@ -17,8 +17,9 @@ and `round` is the real provider path (DSparkProvider.draft_batch) timed whole, 
 all. By default the target is the plan `verispec serve` runs (`--plan served`: the kernels and
 weight formats measured for this machine, `--dtype` ignored) and the drafters are loaded as
 serving loads them (linears in q8_0 where that measures faster); `--plan dtype` times the
-unquantized target in `--dtype` with oneDNN-packed float drafters, as before 2026-12-04. Every cost is a fraction of one plain decode step of the target (best of N runs,
-same process). The drafting side (round) must be <= 25% of a step at gamma 7 for a
+unquantized target in `--dtype` with oneDNN-packed float drafters, as before 2026-12-04.
+Every cost is a fraction of one plain decode step of the target (best of N runs, same
+process). The drafting side (round) must be <= 25% of a step at gamma 7 for a
 trained drafter to pay on this CPU.
 
     .venv/bin/python bench/dspark_cost.py [--plan served|dtype] [--dtype bfloat16] [--gamma 7] [--repeats 30] [--model M]

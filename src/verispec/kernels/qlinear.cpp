@@ -610,7 +610,10 @@ void kernel_qx16(const QuantizedRows& xq, const uint8_t* w16, const float* bias,
     const uint8_t* tile = w16 + t * nb * TB;
     const int64_t n = t * 16;
     int64_t m0 = 0;
-    if (M == 9) qx16_tile<FMT, 9>(xq, tile, bias, y, N, K, m0, n), m0 = 9;  // a full verify block in one pass
+    if (M == 9) {  // a full verify block in one pass
+      qx16_tile<FMT, 9>(xq, tile, bias, y, N, K, m0, n);
+      m0 = 9;
+    }
     for (; M - m0 >= 8; m0 += 8) qx16_tile<FMT, 8>(xq, tile, bias, y, N, K, m0, n);
     for (; M - m0 >= 4; m0 += 4) qx16_tile<FMT, 4>(xq, tile, bias, y, N, K, m0, n);
     for (; M - m0 >= 2; m0 += 2) qx16_tile<FMT, 2>(xq, tile, bias, y, N, K, m0, n);

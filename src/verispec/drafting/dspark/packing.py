@@ -45,14 +45,14 @@ def pack_linears(module: nn.Module, int8: str = "off", rows: tuple[int, ...] = (
     if not packing_enabled(device):
         return "PyTorch's linears (no packing here)"
     measure = int8 == "auto"
-    int8 = int8 != "off" and kernel_runs("q8_0-i8", torch.float32)
+    use_int8 = int8 != "off" and kernel_runs("q8_0-i8", torch.float32)
     chosen = {"oneDNN": 0, "int8": 0}
     saved = 0.0
     for sub in list(module.modules()):
         if not isinstance(sub, nn.Linear) or isinstance(sub, (PackedLinear, Int8Linear)):
             continue
-        packed = pack_weight(sub.weight)
-        quantized = _quantized(sub) if int8 else None
+        quantized = _quantized(sub) if use_int8 else None
+        packed = pack_weight(sub.weight) if quantized is None or measure else None  # "on" needs no float copy
         if quantized is not None:
             dense_t = int8_t = 0.0
             if measure:
@@ -70,7 +70,7 @@ def pack_linears(module: nn.Module, int8: str = "off", rows: tuple[int, ...] = (
             sub.packed = packed
             chosen["oneDNN"] += 1
     note = f"{chosen['oneDNN']} linears oneDNN-packed"
-    if int8:
+    if use_int8:
         note += f", {chosen['int8']} q8_0 x int8"
         note += f" (measured {saved * 1e3:.2f} ms faster over rows {rows})" if measure else " (asked for)"
     return note
@@ -81,7 +81,7 @@ def _quantized(layer: nn.Linear) -> torch.Tensor | None:
         return None
     from verispec.models.quant import interleave16_blocks, quantize
 
-    return interleave16_blocks(quantize(layer.weight.detach().float(), "q8_0"), "q8_0")
+    return interleave16_blocks(quantize(layer.weight, "q8_0"), "q8_0")
 
 
 def _int8_call(blocks: torch.Tensor, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -107,6 +107,13 @@ def _time(call, layer: nn.Linear, rows: tuple[int, ...], repeats: int = 5) -> fl
     return total
 
 
+def _over_rows(call, x: torch.Tensor) -> torch.Tensor:
+    """`call` on x's rows as a 2-D [rows, in] tensor, the result in x's leading shape."""
+    if x.dim() == 2:
+        return call(x)
+    return call(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+
+
 class PackedLinear(nn.Linear):
     """An nn.Linear whose forward uses a oneDNN-packed copy of its (kept) weight."""
 
@@ -115,9 +122,7 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype or torch.is_grad_enabled() and self.weight.requires_grad:
             return super().forward(x)
-        if x.dim() == 2:
-            return packed_linear(x, self.packed, self.bias)
-        return packed_linear(x.reshape(-1, x.shape[-1]), self.packed, self.bias).view(*x.shape[:-1], -1)
+        return _over_rows(lambda rows: packed_linear(rows, self.packed, self.bias), x)
 
 
 class Int8Linear(nn.Linear):
@@ -129,6 +134,4 @@ class Int8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.weight.requires_grad:
             return super().forward(x)
-        if x.dim() == 2:
-            return _int8_call(self.blocks, self, x)
-        return _int8_call(self.blocks, self, x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        return _over_rows(lambda rows: _int8_call(self.blocks, self, rows), x)
