@@ -63,7 +63,8 @@ def build(loaded, shape: dict, gamma: int, dtype, taps: list[int], int8: str = "
     subset = shape["draft_vocab"] if shape["draft_vocab"] and shape["draft_vocab"] < vocab else None
     config = DSparkConfig.from_target(
         read_config(loaded.folder), num_draft_layers=shape["layers"], block_size=gamma, target_layer_ids=taps,
-        mask_token_id=0, markov_rank=shape["rank"], draft_vocab_size=subset)
+        mask_token_id=0, markov_rank=shape["rank"], draft_vocab_size=subset,
+        markov_vocab="draft")  # as `dspark train` builds them (a full-vocabulary one costs the same, only MB more)
     torch.manual_seed(0)
     return DSparkDrafter(config).to(dtype).prepare_for_inference(int8=int8)
 
@@ -100,10 +101,10 @@ def measure(loaded, drafter, repeats: int, step_s: float, verify_s: float) -> di
     def sequential():
         prev = torch.tensor([1])
         for j in range(g):
-            bias, _ = drafter.markov_head.step(drafter.markov_head.prev_embedding(prev), h[:, j], None)
+            bias, _ = drafter.markov_head.step(drafter.markov_embedding(prev), h[:, j], None)
             prev = drafter.to_target_ids((base[:, j] + bias).float().argmax(dim=-1))
 
-    prev_emb = drafter.markov_head.prev_embedding(torch.tensor([1]))
+    prev_emb = drafter.markov_embedding(torch.tensor([1]))
 
     def confidence():
         for j in range(g):

@@ -302,3 +302,53 @@ def test_the_training_precision_is_measured_once_per_machine_and_can_be_forced(t
     assert precision.training_precision("bf16", cpu) == ("bf16", "asked for") and calls == [1]
     with pytest.raises(ValueError):
         precision.training_precision("fp16", cpu)
+
+
+def test_a_draft_vocabulary_markov_embedding_is_the_full_one_with_outside_rows_shared(features, tmp_path, capsys):
+    """`--markov-vocab draft` (the default with a draft vocabulary): the Markov head embeds the
+    previous token over the draft vocabulary plus one row shared by every other token.
+    Oracle: the same drafter in DeepSpec's full-vocabulary layout, each target token's row
+    copied from its compact row. Every target id embeds the same, a block proposes the same
+    tokens and confidences (anchors inside and outside the draft vocabulary), and the trained
+    checkpoint changes no greedy token."""
+    from verispec.drafting.dspark.checkpoint import load_dspark
+    from verispec.drafting.dspark.config import DSparkConfig
+    from verispec.drafting.dspark.model import DSparkDrafter
+    from verispec.models.loader import load_model
+
+    out = tmp_path / "compact"
+    common = ["dspark", "train", *TRAIN, "--steps", "3", "--save-every", "3", "--holdout", "2",
+              "--features", str(features)]
+    common[common.index("--draft-vocab") + 1] = "64"
+    assert main([*common, "--out", str(out)]) == 0
+    target = load_model(str(ORACLE / "target"), dtype=torch.float32)
+    compact = load_dspark(out / "step_3", target=target, prepare=False)
+    V = target.model.args.vocab_size
+    assert compact.config.markov_vocab == "draft" and compact.markov_head.markov_w1.weight.shape[0] == 65 < V
+
+    raw = dict(compact.config.raw)
+    del raw["markov_vocab"]
+    full = DSparkDrafter(DSparkConfig.from_dict(raw))
+    state = compact.state_dict()
+    state["markov_head.markov_w1.weight"] = compact.markov_head.markov_w1.weight[compact.markov_rows()]
+    full.load_state_dict(state, strict=True)
+    assert full.markov_head.markov_w1.weight.shape[0] == V
+
+    every = torch.arange(V)
+    torch.testing.assert_close(compact.markov_embedding(every), full.markov_embedding(every), atol=0, rtol=0)
+    vocab = set(compact.draft_vocab_ids.tolist())
+    outside = [t for t in range(V) if t not in vocab][:2]
+    inside = sorted(vocab)[:2]
+    h = torch.randn(4, compact.block_size, compact.config.args.hidden_size, generator=torch.Generator().manual_seed(0))
+    tokens_c, conf_c = compact.propose(h, inside + outside, lambda j, logits: logits.argmax(-1))
+    tokens_f, conf_f = full.propose(h, inside + outside, lambda j, logits: logits.argmax(-1))
+    assert torch.equal(tokens_c, tokens_f)
+    torch.testing.assert_close(conf_c, conf_f, atol=0, rtol=0)
+
+    text = json.loads((ORACLE / "prompts.jsonl").read_text().splitlines()[0])["turns_text"]
+    prompt = ["--max-tokens", "24", "--temperature", "0", "--dtype", "float32", "-m", str(ORACLE / "target"), "--raw", text]
+    capsys.readouterr()
+    assert main(["generate", *prompt, "--no-draft"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["generate", *prompt, "--draft-model", str(out)]) == 0
+    assert capsys.readouterr().out == plain

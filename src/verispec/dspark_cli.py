@@ -129,6 +129,10 @@ a whole run for the default model (each command can be stopped and rerun; README
     tr.add_argument("--block-size", type=int, default=7, help="gamma: tokens per proposal (default 7)")
     tr.add_argument("--markov-rank", type=int, default=64, help="Markov rank r (0: DFlash, no sequential head)")
     tr.add_argument("--head", choices=["vanilla", "gated", "rnn"], default="vanilla", help="sequential head")
+    tr.add_argument("--markov-vocab", choices=["draft", "full"], default="draft",
+                    help="rows of the Markov head's previous-token embedding: draft (default) one per draft-vocabulary "
+                         "token and one shared by all others; full one per target token, as DeepSpec (16.8M "
+                         "parameters at rank 64 on Gemma's 262,144 tokens). Without a draft vocabulary it is full")
     tr.add_argument("--draft-vocab", type=int, default=16384,
                     help="draft head over the N most frequent answer tokens (default 16384; 0 = the full vocabulary)")
     tr.add_argument("--mask-token-id", type=int, default=16, help="an id the target never produces (default 16)")

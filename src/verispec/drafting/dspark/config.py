@@ -14,6 +14,10 @@ file is otherwise identical. One extension of ours: `draft_vocab_size` (with a
 `draft_vocab_ids` tensor in the weights) restricts the draft head and the Markov output
 to the most frequent target tokens, which on a CPU is most of the drafting cost
 (bench/dspark_cost.py); DeepSpec's files never set it and are read as full-vocabulary.
+A second, `markov_vocab = "draft"` (only with a draft vocabulary), gives the Markov head's
+previous-token embedding one row per draft-vocabulary token plus one shared row for every
+other token, instead of one row per target token: on a 262,144-token vocabulary (Gemma)
+that embedding alone is 16.8M parameters at rank 64. Absent, it is "full" (DeepSpec's).
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ class DSparkConfig:
     confidence_head_with_markov: bool
     num_anchors: int
     draft_vocab_size: int | None = None
+    markov_vocab: str = "full"  # "draft": the Markov embedding's rows are the draft vocabulary + one shared row
     confidence_threshold: float | list[float] = 0.0  # 0: keep every drafted position (DeepSpec's default)
     # STS (`verispec dspark calibrate`): c_k = sigmoid(logit_k / T_k); None (DeepSpec's checkpoints): T = 1
     confidence_temperature: list[float] | None = None
@@ -130,6 +135,11 @@ class DSparkConfig:
         with_markov = confidence and bool(raw.get("confidence_head_with_markov", False))
         if with_markov and not rank:
             raise DraftCheckpointError("confidence_head_with_markov needs a Markov head (markov_rank > 0)")
+        markov_vocab = raw.get("markov_vocab", "full")
+        if markov_vocab not in ("full", "draft"):
+            raise DraftCheckpointError(f"unknown markov_vocab {markov_vocab!r} (known: full, draft)")
+        if markov_vocab == "draft" and not raw.get("draft_vocab_size"):
+            raise DraftCheckpointError('markov_vocab "draft" needs a draft vocabulary (draft_vocab_size)')
         layer_ids = [int(i) for i in raw["target_layer_ids"]]
         num_target = int(raw.get("num_target_layers", max(layer_ids) + 2))
         if not layer_ids or any(b <= a for a, b in zip(layer_ids, layer_ids[1:])) or not all(
@@ -151,6 +161,7 @@ class DSparkConfig:
             confidence_head_with_markov=with_markov,
             num_anchors=int(raw.get("num_anchors", 512)),
             draft_vocab_size=int(raw["draft_vocab_size"]) if raw.get("draft_vocab_size") else None,
+            markov_vocab=markov_vocab,
             confidence_threshold=_threshold(raw.get("confidence_threshold")),
             confidence_temperature=_temperatures(raw.get("confidence_temperature"), int(raw["block_size"])),
         )
@@ -170,6 +181,7 @@ class DSparkConfig:
         confidence_head_with_markov: bool = True,
         num_anchors: int = 512,
         draft_vocab_size: int | None = None,
+        markov_vocab: str = "full",
     ) -> "DSparkConfig":
         """DeepSpec's build_draft_config: the target's config with the DSpark fields set."""
         raw = copy.deepcopy(target_config)
@@ -198,6 +210,8 @@ class DSparkConfig:
             raw.pop(key, None)
         if draft_vocab_size:
             raw["draft_vocab_size"] = int(draft_vocab_size)
+            if markov_vocab == "draft" and markov_rank:
+                raw["markov_vocab"] = "draft"
         return cls.from_dict(raw)
 
     def to_dict(self) -> dict:

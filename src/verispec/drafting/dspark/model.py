@@ -184,7 +184,9 @@ class DSparkDrafter(nn.Module):
             self.register_buffer("draft_vocab_ids", torch.arange(out, dtype=torch.long))
         else:
             self.draft_vocab_ids = None
-        self.markov_head = HEADS[config.markov_head_type](V, config.markov_rank, out, H) if config.has_markov else None
+        rows = out + 1 if config.markov_vocab == "draft" else V  # + 1: the row shared by tokens outside the draft vocabulary
+        self.markov_head = HEADS[config.markov_head_type](rows, config.markov_rank, out, H) if config.has_markov else None
+        self._markov_rows = None  # (draft_vocab_ids tensor, its version, target id -> embedding row)
         self.confidence_head = None
         if config.enable_confidence_head:
             self.confidence_head = ConfidenceHead(H + (config.markov_rank if config.confidence_head_with_markov else 0))
@@ -226,6 +228,26 @@ class DSparkDrafter(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft_vocab_ids is None else self.draft_vocab_ids[draft_ids]
+
+    def markov_embedding(self, prev_ids: torch.Tensor) -> torch.Tensor:
+        """The Markov head's embedding of previous tokens given as target ids."""
+        if self.config.markov_vocab == "draft":
+            prev_ids = self.markov_rows().to(prev_ids.device)[prev_ids.long()]
+        return self.markov_head.prev_embedding(prev_ids)
+
+    def markov_rows(self) -> torch.Tensor:
+        """target id -> row of a draft-vocabulary Markov embedding (the last row for any
+        token outside the draft vocabulary); rebuilt when draft_vocab_ids is replaced or
+        written in place (loading, training's vocabulary choice)."""
+        vocab = self.draft_vocab_ids
+        version = 0 if vocab.is_inference() else vocab._version  # inference tensors keep no version
+        cached = self._markov_rows
+        if cached is None or cached[0] is not vocab or cached[1] != version:
+            with torch.inference_mode(False):  # a plain tensor, usable by training after an inference-mode call
+                rows = torch.full((self.config.args.vocab_size,), len(vocab), dtype=torch.long, device=vocab.device)
+                rows[vocab] = torch.arange(len(vocab), device=vocab.device)
+            cached = self._markov_rows = (vocab, version, rows)
+        return cached[2]
 
     def confidence(self, h: torch.Tensor, prev_emb: torch.Tensor | None) -> torch.Tensor | None:
         if self.confidence_head is None:
@@ -301,7 +323,7 @@ class DSparkDrafter(nn.Module):
             logits = base[:, j]
             prev_emb = None
             if self.markov_head is not None:
-                prev_emb = self.markov_head.prev_embedding(prev)
+                prev_emb = self.markov_embedding(prev)
                 bias, state = self.markov_head.step(prev_emb, h[:, j], state)
                 logits = logits + bias
             conf = self.confidence(h[:, j], prev_emb)

@@ -79,7 +79,7 @@ def train_forward(
     logits = drafter.base_logits(h)
     confidence = None
     if drafter.markov_head is not None:
-        prev_emb = drafter.markov_head.prev_embedding(prev_ids)
+        prev_emb = drafter.markov_embedding(prev_ids)
         logits = logits + drafter.markov_head.block_bias(prev_emb, h)
         confidence = drafter.confidence(h, prev_emb)
     else:

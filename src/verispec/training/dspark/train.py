@@ -317,7 +317,8 @@ def setup(args) -> TrainRun:
             target_layer_ids=manifest["target_layer_ids"], mask_token_id=args.mask_token_id,
             markov_rank=args.markov_rank, markov_head_type=args.head, enable_confidence_head=args.markov_rank > 0,
             confidence_head_with_markov=args.markov_rank > 0, num_anchors=args.anchors,
-            draft_vocab_size=None if vocab is None else len(vocab))
+            draft_vocab_size=None if vocab is None else len(vocab),
+            markov_vocab=getattr(args, "markov_vocab", "full"))
     drafter = DSparkDrafter(config)
     if warm is not None:
         with torch.no_grad():
