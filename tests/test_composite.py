@@ -20,6 +20,7 @@ from verispec.drafting.composite import CompositeProvider
 from verispec.drafting.dspark.checkpoint import load_dspark
 from verispec.drafting.dspark.source import DSparkProvider
 from verispec.drafting.ngram import NgramProvider
+from verispec.engine.draft import Draft, DraftProvider, DraftSource, SourceContext
 from verispec.engine.engine import Engine, EngineConfig
 from verispec.engine.request import Collector, GenerationRequest
 from verispec.engine.sampling import SamplingParams
@@ -79,3 +80,43 @@ def test_composite_needs_two_sources_reading_the_same_layers(models):
     with pytest.raises(ValueError, match="at least two"):
         CompositeProvider([NgramProvider()])
     assert CompositeProvider([DSparkProvider(drafter), NgramProvider()]).taps == DSparkProvider(drafter).taps
+
+
+class _Scripted(DraftProvider):
+    """A source whose drafts are scripted per row (by the row's prompt[0]), counting the rows it is asked for."""
+
+    def __init__(self, name: str, free: bool, drafts: dict[int, Draft]):
+        self.name, self.free, self.drafts, self.asked = name, free, drafts, []
+
+    def new_source(self, context: SourceContext) -> DraftSource:
+        source = DraftSource()
+        source.row = context.prompt[0]
+        return source
+
+    def draft_batch(self, requests):
+        self.asked += [s.row for s, _, n in requests]
+        return [self.drafts.get(s.row, Draft()) if n > 0 else Draft() for s, _, n in requests]
+
+
+def test_a_paid_source_is_asked_only_where_the_free_candidates_offer_less_than_it_gains():
+    """The lazy rule (greedy rows, the gain = the sum of survival products): after the
+    exploration round that measures the model source, row 0, where the lookup offers a sure
+    long draft, never pays for the model's round; row 1, offered only a weak lookup draft,
+    and row 2, offered none, ask it every round; every 8th round asks everyone again."""
+    sure, weak, model = Draft([1, 2, 3], confidence=[0.9, 0.9, 0.9]), Draft([4], confidence=[0.2]), \
+        Draft([5, 6], confidence=[0.6, 0.5])  # gains 2.439, 0.2 and 0.9
+    free = _Scripted("lookup", True, {0: sure, 1: weak})
+    paid = _Scripted("model", False, {0: model, 1: model, 2: model})
+    provider = CompositeProvider([paid, free])
+    sources = [provider.new_source(SourceContext([row], [], SamplingParams(), 64)) for row in range(3)]
+    picked = [provider.draft_batch([(s, 0, 4) for s in sources]) for _ in range(16)]
+    assert sorted(free.asked) == sorted([0, 1, 2] * 16)
+    assert paid.asked.count(0) == 2 and paid.asked.count(1) == 16 and paid.asked.count(2) == 16
+    assert provider.stats()["asked"] == {"model": 34, "lookup": 48} and provider.stats()["rows"] == 48
+    for k, drafts in enumerate(picked):
+        if k % 8:  # not an exploration round: the larger expected gain
+            assert [d.tokens for d in drafts] == [sure.tokens, model.tokens, model.tokens]
+    # a row that asks for nothing costs nothing
+    before = len(paid.asked), len(free.asked)
+    assert provider.draft_batch([(sources[2], 0, 0)]) == [Draft()]
+    assert (len(paid.asked), len(free.asked)) == before

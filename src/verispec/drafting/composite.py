@@ -20,8 +20,16 @@ A row's first round, and every `EXPLORE_EVERY`-th after it, verifies the candida
 source verified least often over all rows (if it proposed anything): an estimate that is
 never tested never learns, and a rule driven by counters cannot bias the output.
 
-The model-based drafter's round is paid whenever the row drafts (its cost is the
-composite's); the lookup is free. Oracle: tests/test_composite.py (greedy identical to
+Free sources (a lookup: `DraftProvider.free`) propose first. A paid source (a model
+drafter, whose round costs a backbone pass) is then asked only for the rows where no free
+candidate is expected to gain as much as that source's candidates have recently gained
+(`LazyGain`, a running mean over its offered drafts, greedy and sampled rows apart), and
+on exploration rounds: on text that repeats itself the lookup's long, sure drafts win
+anyway and the model's round is not paid. The choice reads the free drafts (functions
+of the text) and past rounds only, never this round's sampled drafts, so it is lossless
+as the choice between candidates is. A source not asked this round keeps its context:
+the next round it drafts in takes every committed row since (a DSpark backbone pass over
+more new context rows). Oracle: tests/test_composite.py (greedy identical to
 plain decoding on the DeepSpec fixture; at T > 0 the chi-square test of
 tests/test_dspark.py's setting passes).
 """
@@ -32,6 +40,24 @@ from verispec.engine.acceptance import survival
 from verispec.engine.draft import Draft, DraftProvider, DraftSource, SourceContext
 
 EXPLORE_EVERY = 8  # every 8th round of a row verifies its least-chosen source's candidate
+GAIN_MEMORY = 32  # drafts a paid source's running mean gain mostly rests on
+
+
+class LazyGain:
+    """The running mean gain of one source's offered drafts, for greedy and sampled rows
+    apart (their gains are different measures); None until it has offered one."""
+
+    def __init__(self):
+        self.mean: dict[bool, float] = {}
+        self.count: dict[bool, int] = {}
+
+    def get(self, greedy: bool) -> float | None:
+        return self.mean.get(greedy)
+
+    def add(self, greedy: bool, gain: float) -> None:
+        n = self.count[greedy] = self.count.get(greedy, 0) + 1
+        mean = self.mean.get(greedy, gain)
+        self.mean[greedy] = mean + (gain - mean) / min(n, GAIN_MEMORY)
 
 
 class CompositeSource(DraftSource):
@@ -72,6 +98,11 @@ class CompositeProvider(DraftProvider):
         self.label = label or " + ".join(p.describe() for p in providers)
         self.conditionals = None  # the engine binds its confidence estimate (Drafting.conditionals)
         self.chosen = [0] * len(providers)  # rounds each source's candidate was verified, all rows
+        self.gains = [LazyGain() for _ in providers]
+        self.asked = [0] * len(providers)  # rows each source was asked to draft for
+        self.rows = 0  # rows that asked the composite for a draft
+        # free sources first: what they offer decides whether a paid one is asked
+        self.order = sorted(range(len(providers)), key=lambda i: not providers[i].free)
 
     def bind_confidences(self, conditionals) -> None:
         self.conditionals = conditionals
@@ -83,7 +114,8 @@ class CompositeProvider(DraftProvider):
         return f"composite ({self.label})"
 
     def stats(self) -> dict:
-        return {"chosen": dict(zip((p.name for p in self.providers), self.chosen))}
+        names = [p.name for p in self.providers]
+        return {"chosen": dict(zip(names, self.chosen)), "asked": dict(zip(names, self.asked)), "rows": self.rows}
 
     def draft_costs(self, target_costs) -> tuple[float, float]:
         fixed = per = 0.0
@@ -96,25 +128,55 @@ class CompositeProvider(DraftProvider):
         return sum(p.kv_bytes(capacity) for p in self.providers)
 
     def draft_batch(self, requests: list[tuple[DraftSource, int, int]]) -> list[Draft]:
-        candidates = [p.draft_batch([(s.sources[i], pending, min(n, p.max_draft)) for s, pending, n in requests])
-                      for i, p in enumerate(self.providers)]
+        empty = Draft()
+        options = [[empty] * len(self.providers) for _ in requests]
+        best = [-1.0] * len(requests)  # the best gain offered so far per row
+        explore = []
+        for source, _, n in requests:
+            source.rounds += 1
+            explore.append(source.rounds % EXPLORE_EVERY == 1)
+        self.rows += sum(1 for _, _, n in requests if n > 0)
+        for i in self.order:
+            p = self.providers[i]
+            rows = [r for r, (source, _, n) in enumerate(requests) if n > 0 and (
+                p.free or explore[r] or self._worth_asking(i, best[r], source))]
+            if not rows:
+                continue
+            self.asked[i] += len(rows)
+            drafts = p.draft_batch([(requests[r][0].sources[i], requests[r][1], min(requests[r][2], p.max_draft))
+                                    for r in rows])
+            for r, d in zip(rows, drafts):
+                options[r][i] = d
+                if d.tokens:
+                    source = requests[r][0]
+                    gain = self._gain(d, source)
+                    self.gains[i].add(source.context.params.is_greedy, gain)
+                    best[r] = max(best[r], gain)
         out = []
         for r, (source, _, n) in enumerate(requests):
-            options = [c[r] for c in candidates]
-            best = max(range(len(options)), key=lambda i: (self._gain(options[i], source), -i))
-            source.rounds += 1
-            if source.rounds % EXPLORE_EVERY == 1:
+            if n <= 0:
+                out.append(Draft())
+                continue
+            row = options[r]
+            pick = max(range(len(row)), key=lambda i: (self._gain(row[i], source), -i))
+            if explore[r]:
                 # a row's first round and every 8th after it: the source verified least often
                 # over all rows, so every estimate keeps learning (counters, not this round's
                 # drafts, decide: lossless at any temperature)
-                offered = [i for i, d in enumerate(options) if d.tokens]
+                offered = [i for i, d in enumerate(row) if d.tokens]
                 if offered:
-                    best = min(offered, key=lambda i: (self.chosen[i], i))
-            if n > 0 and options[best].tokens:
-                source.chosen[best] += 1
-                self.chosen[best] += 1
-            out.append(options[best] if n > 0 else Draft())
+                    pick = min(offered, key=lambda i: (self.chosen[i], i))
+            if row[pick].tokens:
+                source.chosen[pick] += 1
+                self.chosen[pick] += 1
+            out.append(row[pick])
         return out
+
+    def _worth_asking(self, i: int, offered: float, source: CompositeSource) -> bool:
+        """Ask paid source i for this row unless what is already offered is expected to gain
+        at least as much as source i's drafts have recently gained."""
+        expected = self.gains[i].get(source.context.params.is_greedy)
+        return expected is None or offered < expected
 
     def _gain(self, draft: Draft, source: CompositeSource) -> float:
         if not draft.tokens:

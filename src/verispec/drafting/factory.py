@@ -25,7 +25,7 @@ def embedded_name(target) -> str | None:
 
 def default_speculation(model: str | None) -> str | None:
     """What an embedded model (by registry name) speculates with by default: its catalog
-    entry's measured choice, "ngram" or "dspark"; None for any other model."""
+    entry's measured choice, "ngram", "dspark" or "composite"; None for any other model."""
     from verispec.models.catalog import REGISTRY
 
     entry = REGISTRY.get(model or "")
@@ -52,6 +52,8 @@ def build_drafter(target, speculate: str | None, draft_model: str | None, dtype,
         return load_drafter(target, draft_model, dtype, confidence_threshold)
     if speculate is None and not no_draft:
         speculate = default_speculation(embedded_name(target))
+        if speculate == "composite":
+            return composite_drafter(target, None, dtype, confidence_threshold)
     if speculate == "dspark":
         return shipped_dspark(target, dtype, confidence_threshold)
     if speculate in (None, "none"):

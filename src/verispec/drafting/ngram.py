@@ -49,6 +49,7 @@ class NgramSource(DraftSource):
 
 class NgramProvider(DraftProvider):
     name = "ngram"
+    free = True
 
     def __init__(self, min_ngram: int = DEFAULT_MIN_NGRAM, max_ngram: int = DEFAULT_MAX_NGRAM):
         if not 1 <= min_ngram <= max_ngram:

