@@ -266,14 +266,17 @@ def test_calibrate_writes_thresholds_and_measure_reports(tmp_path):
     (evals / "gsm8k.jsonl").write_text("".join(json.dumps({"turns": [p["turns_text"]]}) + "\n" for p in lines[:4]))
     assert main(["dspark", "measure", "--drafter", str(drafter), "-m", target, "--eval-dir", str(evals), "--datasets",
                  "gsm8k", "--per-dataset", "3", "--max-tokens", "32", "--dtype", "float32", "--quiet",
-                 "--fixed-draft", "--with-ngram"]) == 0
+                 "--fixed-draft", "--with-ngram", "--with-composite"]) == 0
     measured = json.loads((drafter / "measure.json").read_text())
     for row in measured["rows"]:
         assert 1.0 < row["tau"] <= 5.0 and row["plain_tok_s"] > 0 and row["dspark_tok_s"] > 0
         assert 1.0 <= row["ngram_tau"] <= 5.0 and row["ngram_tok_s"] > 0
+        assert 1.0 <= row["composite_tau"] <= 5.0 and row["composite_tok_s"] > 0
         assert all(a is None or 0 <= a <= 1 for a in row["acceptance_by_position"])
     assert (drafter / "report.md").read_text().count("| gsm8k |") == 2 and (drafter / "measure.png").is_file()
     # the target ran the kernel plan `verispec serve` runs, not PyTorch's defaults: speed as served
+    composite = measured["target"].pop("composite")  # the composite's drafter was asked for some rows, not more
+    assert 0 < composite["asked"]["dspark"] <= composite["rows"] == composite["asked"]["ngram"]
     assert measured["target"] == {"dtype": "float32", "plan": plan_summary(load_for_serving(target, "float32"))}
     assert measured["target"]["plan"] != "PyTorch kernels"
 

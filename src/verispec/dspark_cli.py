@@ -202,6 +202,10 @@ a whole run for the default model (each command can be stopped and rerun; README
     me.add_argument("--fixed-draft", action="store_true", help="always draft a full block (no cost-based policy)")
     me.add_argument("--with-ngram", action="store_true",
                     help="also decode every prompt with n-gram drafting, the weightless reference (same policy)")
+    me.add_argument("--with-composite", action="store_true",
+                    help="also decode every prompt with the composite of this drafter and n-gram lookup "
+                         "(`--speculate composite`: the lookup first, the drafter only where it is expected to gain "
+                         "more; same policy)")
     me.add_argument("--out", default=None, help="report folder (default: the drafter's)")
     _target_options(me)
     from verispec.serve_cli import add_kernel_args

@@ -54,17 +54,23 @@ def run_measure(args) -> int:
     g = drafter.block_size
     plain = make_engine(loaded)
     dspark = make_engine(loaded, DSparkProvider(drafter), adaptive=not args.fixed_draft, num_draft_tokens=g)
-    ngram = None
-    if args.with_ngram:  # the weightless reference: prompt lookup under the same policy
-        from verispec.drafting.ngram import NgramProvider
+    from verispec.drafting.ngram import NgramProvider
 
-        ngram = make_engine(loaded, NgramProvider(), adaptive=not args.fixed_draft, num_draft_tokens=g)
+    references = {}  # arm -> engine: the weightless reference and the composite, under the same policy
+    if args.with_ngram:
+        references["ngram"] = make_engine(loaded, NgramProvider(), adaptive=not args.fixed_draft, num_draft_tokens=g)
+    composite = None
+    if getattr(args, "with_composite", False):  # this drafter and the lookup, the better candidate each round
+        from verispec.drafting.composite import CompositeProvider
+
+        composite = CompositeProvider([DSparkProvider(drafter), NgramProvider()])
+        references["composite"] = make_engine(loaded, composite, adaptive=not args.fixed_draft, num_draft_tokens=g)
     temperatures = [float(t) for t in args.temperatures.split(",")]
     datasets = args.datasets.split(",")
     rows = []
     jobs = [(t, d, p) for t in temperatures for d in datasets for p in load_eval(eval_dir, d, args.per_dataset)]
     stats: dict = {}
-    arms = {"plain": plain, "dspark": dspark, **({"ngram": ngram} if ngram is not None else {})}
+    arms = {"plain": plain, "dspark": dspark, **references}
     with tqdm(total=len(jobs), desc="measure", unit="prompt", file=sys.stderr, disable=args.quiet) as bar:
         for temperature, dataset, text in jobs:
             ids = encode_user_text(loaded.tokenizer, text)
@@ -93,20 +99,23 @@ def run_measure(args) -> int:
             "plain_tok_s": round(plain_tps, 1), "dspark_tok_s": round(dspark_tps, 1),
             "speedup": round(dspark_tps / plain_tps, 3) if plain_tps else None,
         })
-        if ngram is not None:
-            ngram_tps = s["ngram"].tok_s
-            rows[-1].update(ngram_tau=s["ngram"].tau, ngram_tok_s=round(ngram_tps, 1),
-                            ngram_speedup=round(ngram_tps / plain_tps, 3) if plain_tps else None)
+        for arm in references:
+            tps = s[arm].tok_s
+            rows[-1].update({f"{arm}_tau": s[arm].tau, f"{arm}_tok_s": round(tps, 1),
+                             f"{arm}_speedup": round(tps / plain_tps, 3) if plain_tps else None})
     summary = {}
     for temperature in temperatures:
         mine = [r for r in rows if r["temperature"] == temperature]
         summary[str(temperature)] = {"tau_macro": round(sum(r["tau"] for r in mine) / len(mine), 3),
                                      "speedup_macro": round(sum(r["speedup"] or 0 for r in mine) / len(mine), 3)}
-        if ngram is not None:
-            summary[str(temperature)]["ngram_speedup_macro"] = round(
-                sum(r["ngram_speedup"] or 0 for r in mine) / len(mine), 3)
+        for arm in references:
+            summary[str(temperature)][f"{arm}_speedup_macro"] = round(
+                sum(r[f"{arm}_speedup"] or 0 for r in mine) / len(mine), 3)
+            summary[str(temperature)][f"{arm}_tau_macro"] = round(sum(r[f"{arm}_tau"] for r in mine) / len(mine), 3)
     target = {"dtype": str(loaded.model.dtype).removeprefix("torch."), "plan": plan_summary(loaded)}
-    report = _markdown(rows, summary, args, g, target)
+    if composite is not None:  # how often the composite paid for the drafter's round, and whose drafts it verified
+        target["composite"] = composite.stats()
+    report = _markdown(rows, summary, args, g, target, list(references))
     out = Path(args.out) if args.out else newest_checkpoint(Path(args.drafter))
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(report)
@@ -140,26 +149,34 @@ class _Tally:
         return round(self.emitted / self.rounds, 3) if self.rounds else 1.0
 
 
-def _markdown(rows, summary, args, g, target: dict) -> str:
+REFERENCE_LABELS = {"ngram": "n-gram", "composite": "composite"}
+
+
+def _markdown(rows, summary, args, g, target: dict, references: list[str]) -> str:
     policy = "full proposals every round" if args.fixed_draft else "the serving policy (cost-based draft length)"
+    labels = [REFERENCE_LABELS[a] for a in references]
     lines = [f"DSpark drafter {args.drafter}: {args.per_dataset} prompts per dataset, max_tokens {args.max_tokens}, "
              f"one request at a time, plain and DSpark interleaved in the same run, {policy}; the target as served "
              f"({target['dtype']}, {target['plan']})", "",
              "| dataset | T | tau | " + " | ".join(f"acc@{j + 1}" for j in range(g))
-             + " | plain tok/s | DSpark tok/s | speedup |"
-             + (" n-gram tau | n-gram speedup |" if args.with_ngram else ""),
-             "|---|---|---|" + "---|" * g + "---|---|---|" + ("---|---|" if args.with_ngram else "")]
+             + " | plain tok/s | DSpark tok/s | speedup |" + "".join(f" {x} tau | {x} speedup |" for x in labels),
+             "|---|---|---|" + "---|" * g + "---|---|---|" + "---|---|" * len(labels)]
     for r in rows:
         acc = " | ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_by_position"])
         line = (f"| {r['dataset']} | {r['temperature']:g} | {r['tau']:.2f} | {acc} | {r['plain_tok_s']:.1f} | "
                 f"{r['dspark_tok_s']:.1f} | {r['speedup']:.2f}x |")
-        if "ngram_tau" in r:
-            line += f" {r['ngram_tau']:.2f} | {r['ngram_speedup']:.2f}x |"
+        line += "".join(f" {r[f'{a}_tau']:.2f} | {r[f'{a}_speedup']:.2f}x |" for a in references)
         lines.append(line)
     lines.append("")
     for t, s in summary.items():
+        others = ", ".join(f"{REFERENCE_LABELS[a]} {s[f'{a}_speedup_macro']:.2f}x" for a in references)
         lines.append(f"T={float(t):g}: macro tau {s['tau_macro']:.2f}, macro speedup {s['speedup_macro']:.2f}x"
-                     + (f" (n-gram {s['ngram_speedup_macro']:.2f}x)" if "ngram_speedup_macro" in s else ""))
+                     + (f" ({others})" if others else ""))
+    if "composite" in target:
+        c = target["composite"]
+        asked = c["asked"].get("dspark", 0)
+        lines.append(f"composite: the drafter was asked for {asked} of {c['rows']} drafting rows "
+                     f"({asked / max(1, c['rows']):.0%}); verified candidates {c['chosen']}")
     return "\n".join(lines) + "\n"
 
 
