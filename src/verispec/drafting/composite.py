@@ -17,8 +17,11 @@ candidate's survival products, and the row takes:
   so this choice is made before any draft token is seen.
 
 A row's first round, and every `EXPLORE_EVERY`-th after it, verifies the candidate of the
-source verified least often over all rows (if it proposed anything): an estimate that is
-never tested never learns, and a rule driven by counters cannot bias the output.
+source verified least often over all rows among those whose confidences are learnt from
+verification (engine/acceptance.py's online table: drafts without confidences of their
+own): an estimate that is never tested never learns, and a rule driven by counters cannot
+bias the output. A DSpark head's calibrated confidences need no such rounds, and verifying
+its short draft instead of the lookup's long sure one on looping text cost every 8th round.
 
 Free sources (a lookup: `DraftProvider.free`) propose first. A paid source (a model
 drafter, whose round costs a backbone pass) is then asked only for the rows where no free
@@ -160,10 +163,11 @@ class CompositeProvider(DraftProvider):
             row = options[r]
             pick = max(range(len(row)), key=lambda i: (self._gain(row[i], source), -i))
             if explore[r]:
-                # a row's first round and every 8th after it: the source verified least often
-                # over all rows, so every estimate keeps learning (counters, not this round's
-                # drafts, decide: lossless at any temperature)
-                offered = [i for i, d in enumerate(row) if d.tokens]
+                # a row's first round and every 8th after it: of the sources whose estimate is
+                # learnt online, the one verified least often over all rows, so every estimate
+                # keeps learning (counters, not this round's drafts, decide: lossless at any
+                # temperature)
+                offered = [i for i, d in enumerate(row) if d.tokens and d.confidence is None]
                 if offered:
                     pick = min(offered, key=lambda i: (self.chosen[i], i))
             if row[pick].tokens:
