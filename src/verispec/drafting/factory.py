@@ -10,7 +10,8 @@ from verispec.engine.draft import MAX_DRAFT_TOKENS, DraftProvider
 
 SPECULATE_CHOICES = ("ngram", "dspark", "composite", "none")
 # embedded model -> its trained DSpark drafter, shipped in the package (README, "The default drafter")
-BUNDLED_DRAFTERS = {"smollm2-135m-instruct": Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-instruct"}
+BUNDLED_DRAFTERS = {name: Path(__file__).resolve().parents[1] / "drafters" / name
+                    for name in ("smollm2-135m-instruct", "gemma3-270m")}
 
 
 def embedded_name(target) -> str | None:
