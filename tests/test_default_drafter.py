@@ -6,15 +6,12 @@ joins, equal plain decoding in float32."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from verispec.cli import main
-from verispec.engine.engine import Engine, EngineConfig
-from verispec.engine.request import Collector, GenerationRequest
-from verispec.models.loader import load_model, read_config
+from tests.shipped_drafters import check_fits, staggered_greedy
+from verispec.models.loader import load_model
 from verispec.models.tokenizer import encode_chat
 from verispec.drafting.factory import BUNDLED_DRAFTERS, build_drafter, shipped_dspark
 from verispec.models.catalog import REGISTRY
@@ -35,15 +32,9 @@ def smollm2(smollm2_folder):
 
 
 def test_the_shipped_drafter_fits_its_model_and_the_size_budget(smollm2_folder):
-    config = json.loads((SHIPPED / "config.json").read_text())
-    target = read_config(smollm2_folder)
-    assert config["architectures"] == ["LlamaDSparkModel"]
-    assert config["hidden_size"] == target["hidden_size"]
-    assert max(config["target_layer_ids"]) < target["num_hidden_layers"]
+    config = check_fits(SHIPPED, smollm2_folder, "LlamaDSparkModel", 32)
     # calibrate wrote one threshold per draft position
     assert isinstance(config["confidence_threshold"], list) and len(config["confidence_threshold"]) == config["block_size"]
-    on_disk = sum(f.stat().st_size for f in SHIPPED.iterdir())
-    assert on_disk <= 32 * 2**20, f"{on_disk / 2**20:.1f} MiB shipped"
 
 
 def test_the_default_speculation_is_the_measured_choice_and_no_draft_turns_it_off(smollm2):
@@ -61,16 +52,8 @@ def test_the_default_speculation_is_the_measured_choice_and_no_draft_turns_it_of
 
 
 def _run(loaded, drafter, limits):
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, EngineConfig(kv_budget=2**30), drafter=drafter)
-    collectors = []
-    for i, (prompt, n) in enumerate(zip(PROMPTS, limits)):
-        collectors.append(Collector())
-        ids = encode_chat(loaded.tokenizer, [{"role": "user", "content": prompt}])
-        engine.submit(GenerationRequest(ids, n), collectors[-1])
-        for _ in range(3 * i):  # staggered: later rows join a running batch
-            engine.step()
-    engine.run_until_idle()
-    return [c.result(0) for c in collectors]
+    prompts = [encode_chat(loaded.tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
+    return staggered_greedy(loaded, drafter, prompts, limits)
 
 
 def test_the_shipped_drafter_changes_no_token(smollm2):

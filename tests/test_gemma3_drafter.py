@@ -7,8 +7,6 @@ joining a running batch, alone and inside the composite."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -16,8 +14,7 @@ from verispec.drafting.composite import CompositeProvider
 from verispec.drafting.dspark.source import DSparkProvider
 from verispec.drafting.factory import BUNDLED_DRAFTERS, build_drafter, shipped_dspark
 from verispec.drafting.ngram import NgramProvider
-from verispec.engine.engine import Engine, EngineConfig
-from verispec.engine.request import Collector, GenerationRequest
+from tests.shipped_drafters import check_fits, staggered_greedy
 from verispec.models.catalog import REGISTRY
 from verispec.models.loader import load_model, read_config
 from verispec.models.tokenizer import encode_user_text
@@ -39,15 +36,10 @@ def gemma(gemma_folder):
 
 
 def test_the_gemma3_drafter_fits_its_model_and_the_size_budget(gemma_folder):
-    config = json.loads((SHIPPED / "config.json").read_text())
-    target = read_config(gemma_folder)
-    assert config["architectures"] == ["Gemma3DSparkModel"] and config["hidden_size"] == target["hidden_size"]
-    assert max(config["target_layer_ids"]) < target["num_hidden_layers"]
-    assert config["markov_vocab"] == "draft" and config["draft_vocab_size"] < target["vocab_size"]
+    config = check_fits(SHIPPED, gemma_folder, "Gemma3DSparkModel", 48)
+    assert config["markov_vocab"] == "draft" and config["draft_vocab_size"] < read_config(gemma_folder)["vocab_size"]
     assert isinstance(config["confidence_temperature"], list) and len(config["confidence_temperature"]) == \
         config["block_size"]  # STS-calibrated: the composite compares its confidences with the lookup's
-    on_disk = sum(f.stat().st_size for f in SHIPPED.iterdir())
-    assert on_disk <= 48 * 2**20, f"{on_disk / 2**20:.1f} MiB shipped"
 
 
 def test_gemma3_serves_its_drafter_when_asked_and_the_measured_lookup_by_default(gemma):
@@ -61,15 +53,7 @@ def test_gemma3_serves_its_drafter_when_asked_and_the_measured_lookup_by_default
 
 
 def _run(loaded, drafter, limits):
-    engine = Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, EngineConfig(kv_budget=2**30), drafter=drafter)
-    collectors = []
-    for i, (prompt, n) in enumerate(zip(PROMPTS, limits)):
-        collectors.append(Collector())
-        engine.submit(GenerationRequest(encode_user_text(loaded.tokenizer, prompt), n), collectors[-1])
-        for _ in range(3 * i):  # staggered: later rows join a running batch
-            engine.step()
-    engine.run_until_idle()
-    return [c.result(0) for c in collectors]
+    return staggered_greedy(loaded, drafter, [encode_user_text(loaded.tokenizer, p) for p in PROMPTS], limits)
 
 
 def test_the_gemma3_drafter_changes_no_token_alone_or_in_the_composite(gemma):
