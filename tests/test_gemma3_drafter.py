@@ -52,6 +52,19 @@ def test_gemma3_serves_its_drafter_when_asked_and_the_measured_lookup_by_default
     assert build_drafter(gemma, None, None, torch.float32, no_draft=True) is None
 
 
+def test_a_catalog_entry_may_name_the_composite_as_its_default(gemma, monkeypatch):
+    """Where a drafter measures faster with the lookup than either alone, the catalog says
+    "composite" and serving builds both with no flag."""
+    import dataclasses
+
+    monkeypatch.setitem(REGISTRY, "gemma3-270m", dataclasses.replace(REGISTRY["gemma3-270m"], speculation="composite"))
+    default = build_drafter(gemma, None, None, torch.float32)
+    assert isinstance(default, CompositeProvider)
+    assert [type(p) for p in default.providers] == [DSparkProvider, NgramProvider]
+    with pytest.raises(ValueError, match="not ngram, dspark, composite or None"):
+        dataclasses.replace(REGISTRY["gemma3-270m"], speculation="draft-model")
+
+
 def _run(loaded, drafter, limits):
     return staggered_greedy(loaded, drafter, [encode_user_text(loaded.tokenizer, p) for p in PROMPTS], limits)
 
