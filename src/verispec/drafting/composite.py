@@ -2,9 +2,10 @@
 lookup) verifies, each round, the candidate with the larger expected gain.
 
 Both sources follow the row all along (prefill and commit go to both, so either can
-propose at any step). Each round both propose; the engine's confidences
-(engine/acceptance.py through `Drafting.conditionals`, bound at engine start) give each
-candidate's survival products, and the row takes:
+propose at any step). Each round the sources asked (below: the lookup always, the
+model where it may gain more) propose; the engine's confidences (engine/acceptance.py
+through `Drafting.conditionals`, bound at engine start) give each candidate's survival
+products, and the row takes:
 
 * greedy rows: the candidate with the larger expected number of accepted drafts, the
   sum of its survival products (any choice is lossless at temperature 0: verification
