@@ -132,8 +132,8 @@ class CompositeProvider(DraftProvider):
         return sum(p.kv_bytes(capacity) for p in self.providers)
 
     def draft_batch(self, requests: list[tuple[DraftSource, int, int]]) -> list[Draft]:
-        empty = Draft()
-        options = [[empty] * len(self.providers) for _ in requests]
+        options = [[Draft() for _ in self.providers] for _ in requests]
+        gains = [[-1.0] * len(self.providers) for _ in requests]  # each offered draft's expected gain, once
         best = [-1.0] * len(requests)  # the best gain offered so far per row
         explore = []
         for source, _, n in requests:
@@ -153,16 +153,16 @@ class CompositeProvider(DraftProvider):
                 options[r][i] = d
                 if d.tokens:
                     source = requests[r][0]
-                    gain = self._gain(d, source)
-                    self.gains[i].add(source.context.params.is_greedy, gain)
-                    best[r] = max(best[r], gain)
+                    gains[r][i] = self._gain(d, source)
+                    self.gains[i].add(source.context.params.is_greedy, gains[r][i])
+                    best[r] = max(best[r], gains[r][i])
         out = []
         for r, (source, _, n) in enumerate(requests):
             if n <= 0:
                 out.append(Draft())
                 continue
             row = options[r]
-            pick = max(range(len(row)), key=lambda i: (self._gain(row[i], source), -i))
+            pick = max(range(len(row)), key=lambda i: (gains[r][i], -i))
             if explore[r]:
                 # a row's first round and every 8th after it: of the sources whose estimate is
                 # learnt online, the one verified least often over all rows, so every estimate
