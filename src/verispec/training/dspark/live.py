@@ -30,9 +30,11 @@ class LiveResult:
     speculation: dict | None = None
 
 
-def make_engine(loaded, provider=None, adaptive: bool = True, num_draft_tokens: int = 8) -> Engine:
+def make_engine(loaded, provider=None, adaptive: bool = True, num_draft_tokens: int = 8,
+                verify_schedule: str = "cost") -> Engine:
     return Engine(loaded.model, loaded.tokenizer, loaded.stop_ids,
-                  EngineConfig(max_rows=1, adaptive_draft=adaptive, num_draft_tokens=num_draft_tokens), drafter=provider)
+                  EngineConfig(max_rows=1, adaptive_draft=adaptive, num_draft_tokens=num_draft_tokens,
+                               verify_schedule=verify_schedule), drafter=provider)
 
 
 def run_live(engine: Engine, prompt_ids: list[int], max_tokens: int, params: SamplingParams,

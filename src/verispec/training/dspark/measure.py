@@ -53,18 +53,20 @@ def run_measure(args) -> int:
                           int8="auto")  # as served
     g = drafter.block_size
     plain = make_engine(loaded)
-    dspark = make_engine(loaded, DSparkProvider(drafter), adaptive=not args.fixed_draft, num_draft_tokens=g)
+    policy = {"adaptive": not args.fixed_draft, "num_draft_tokens": g,
+              "verify_schedule": getattr(args, "verify_schedule", "strict")}  # as `verispec serve` decides by default
+    dspark = make_engine(loaded, DSparkProvider(drafter), **policy)
     from verispec.drafting.ngram import NgramProvider
 
     references = {}  # arm -> engine: the weightless reference and the composite, under the same policy
     if args.with_ngram:
-        references["ngram"] = make_engine(loaded, NgramProvider(), adaptive=not args.fixed_draft, num_draft_tokens=g)
+        references["ngram"] = make_engine(loaded, NgramProvider(), **policy)
     composite = None
     if getattr(args, "with_composite", False):  # this drafter and the lookup, the better candidate each round
         from verispec.drafting.composite import CompositeProvider
 
         composite = CompositeProvider([DSparkProvider(drafter), NgramProvider()])
-        references["composite"] = make_engine(loaded, composite, adaptive=not args.fixed_draft, num_draft_tokens=g)
+        references["composite"] = make_engine(loaded, composite, **policy)
     temperatures = [float(t) for t in args.temperatures.split(",")]
     datasets = args.datasets.split(",")
     rows = []
@@ -112,7 +114,8 @@ def run_measure(args) -> int:
             summary[str(temperature)][f"{arm}_speedup_macro"] = round(
                 sum(r[f"{arm}_speedup"] or 0 for r in mine) / len(mine), 3)
             summary[str(temperature)][f"{arm}_tau_macro"] = round(sum(r[f"{arm}_tau"] for r in mine) / len(mine), 3)
-    target = {"dtype": str(loaded.model.dtype).removeprefix("torch."), "plan": plan_summary(loaded)}
+    target = {"dtype": str(loaded.model.dtype).removeprefix("torch."), "plan": plan_summary(loaded),
+              "verify_schedule": policy["verify_schedule"], "fixed_draft": bool(args.fixed_draft)}
     if composite is not None:  # how often the composite paid for the drafter's round, and whose drafts it verified
         target["composite"] = composite.stats()
     report = _markdown(rows, summary, args, g, target, list(references))
@@ -153,7 +156,8 @@ REFERENCE_LABELS = {"ngram": "n-gram", "composite": "composite"}
 
 
 def _markdown(rows, summary, args, g, target: dict, references: list[str]) -> str:
-    policy = "full proposals every round" if args.fixed_draft else "the serving policy (cost-based draft length)"
+    policy = ("full proposals every round" if args.fixed_draft else "the cost-based draft length") + \
+        f", verify schedule {target['verify_schedule']}"
     labels = [REFERENCE_LABELS[a] for a in references]
     lines = [f"DSpark drafter {args.drafter}: {args.per_dataset} prompts per dataset, max_tokens {args.max_tokens}, "
              f"one request at a time, plain and DSpark interleaved in the same run, {policy}; the target as served "
