@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from verispec.engine.acceptance import OnlineAcceptance, survival
+from verispec.engine.acceptance import HeadRecalibration, OnlineAcceptance, survival
 from verispec.engine.verify_schedule import VerifySchedule, anticipating, best_count, strict, top_k
 
 
@@ -92,6 +92,50 @@ def test_the_production_form_spends_the_budget_of_two_steps_ago():
     assert budgets[0] > 0 and budgets[1] == 0 and chosen[3] == [0]
     with pytest.raises(ValueError, match="unknown verify schedule"):
         VerifySchedule("sometimes", lambda b, rows: sps(b))
+
+
+def _simulated_head(recal: HeadRecalibration, truth, rounds: int, seed: int):
+    """A head that claims raw confidences drawn at random; position j of a draft is really
+    accepted with probability truth(j, claim). Rounds stop at the first rejection."""
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        claims = [rng.choice([0.15, 0.35, 0.55, 0.75, 0.95]) for _ in range(3)]
+        kept = 0
+        while kept < 3 and rng.random() < truth(kept, claims[kept]):
+            kept += 1
+        recal.update(claims, kept)
+
+
+def test_a_heads_recalibrated_claims_converge_to_what_its_drafts_really_had():
+    # an overclaiming head: every claim is worth 60% of itself at position 0, and 0.1 less
+    # further on
+    def truth(j, c):
+        return max(0.0, 0.6 * c - (0.1 if j else 0.0))
+
+    recal = HeadRecalibration(3)
+    _simulated_head(recal, truth, 8000, seed=2)
+    for j in range(3):
+        for c in (0.35, 0.55, 0.75, 0.95):
+            assert recal.corrected([c] * (j + 1))[j] == pytest.approx(truth(j, c), abs=0.06), (j, c)
+    # a calibrated head's claims stay where they were
+    honest = HeadRecalibration(3)
+    _simulated_head(honest, lambda j, c: c, 8000, seed=3)
+    for j in range(3):
+        for c in (0.15, 0.55, 0.95):
+            assert honest.corrected([c] * (j + 1))[j] == pytest.approx(c, abs=0.05), (j, c)
+    # untested positions (every round rejected at position 0) and a fresh table: the raw claim
+    # at first, then position 0's evidence only
+    fresh = HeadRecalibration(3)
+    assert fresh.corrected([0.9, 0.8, 0.7]) == [0.9, 0.8, 0.7]
+    for _ in range(200):
+        fresh.update([0.9, 0.9, 0.9], 0)
+    first, second, third = fresh.corrected([0.9, 0.9, 0.9])
+    assert first < 0.1 and second == third == pytest.approx(0.9)
+    # an underclaiming head whose drafts are always kept is corrected up to 1, not past it
+    sure = HeadRecalibration(3)
+    _simulated_head(sure, lambda j, c: 1.0, 500, seed=4)
+    corrected = sure.corrected([0.95, 0.75, 0.55])
+    assert corrected[0] == 1.0 and all(0.99 <= c <= 1.0 for c in corrected)
 
 
 def test_the_online_table_converges_to_each_cells_rate():

@@ -3,7 +3,12 @@
 The scheduler (engine/verify_schedule.py) needs, for every drafted position j of a row,
 c_j = P(draft j accepted | drafts before it accepted). Where they come from:
 
-* a DSpark drafter: its confidence head, STS-calibrated (`Draft.confidence`);
+* a DSpark drafter: its confidence head, STS-calibrated on held-out training data
+  (`Draft.confidence`), and recalibrated online by `HeadRecalibration` against what
+  verification kept on served traffic, greedy and sampled rows apart (the head predicts
+  the analytic acceptance at temperature 1; greedy acceptance is another quantity, and
+  served text is not the training data: on gemma3-270m's eval prompts the shipped head
+  claimed more than its drafts delivered);
 * grammar-forced tokens: 1 (the grammar allows nothing else, and the target's masked
   distribution puts all its mass there);
 * every other source (n-gram lookup, a draft model): `OnlineAcceptance`, a table fitted
@@ -21,7 +26,9 @@ Only rounds that tested a position count for it (every draft before it was kept)
 is what makes the estimate conditional.
 
 Oracle: tests/test_verify_schedule.py (the table converges to known per-cell rates drawn
-from a simulation; untested positions do not move it).
+from a simulation; untested positions do not move it; a head's recalibrated confidences
+converge to the rates a simulated head's miscalibrated claims really had, and a
+calibrated head's stay where they were).
 """
 
 from __future__ import annotations
@@ -66,6 +73,58 @@ class OnlineAcceptance:
     def table(self) -> list[dict]:
         return [{"position": p, "feature": f, "tested": round(n, 1), "rate": round(self.conditional(p, f), 4)}
                 for (p, f), (_, n) in sorted(self.cells.items())]
+
+
+RECAL_PRIOR = 8.0  # tested positions before a cell's own residual outweighs its parent's
+RECAL_BUCKETS = 10  # raw confidences are grouped in tenths
+
+
+class HeadRecalibration:
+    """A confidence head's claims, corrected by what verification kept: per (draft position,
+    tenth of the raw claim) the mean residual (kept - claimed) over the positions tested,
+    shrunk towards the position's residual, which is shrunk towards zero (a head is trusted
+    until served rounds say otherwise). The corrected claim is raw + residual, clamped to
+    [0, 1]: within a tenth the head's ranking is kept, between tenths the served rates rule.
+    Counts decay (`MEMORY` per cell) so the correction follows the traffic."""
+
+    def __init__(self, positions: int):
+        self.positions = max(1, positions)
+        self.pooled = [[0.0, 0.0] for _ in range(self.positions)]  # per position: [sum residual, tested]
+        self.cells: dict[tuple[int, int], list[float]] = {}
+
+    @staticmethod
+    def _bucket(c: float) -> int:
+        return min(RECAL_BUCKETS - 1, max(0, int(c * RECAL_BUCKETS)))
+
+    def shift(self, j: int, claim: float) -> float:
+        p = min(j, self.positions - 1)
+        res, n = self.pooled[p]
+        parent = res / (n + RECAL_PRIOR)
+        res, n = self.cells.get((p, self._bucket(claim)), (0.0, 0.0))
+        return (res + parent * RECAL_PRIOR) / (n + RECAL_PRIOR)
+
+    def corrected(self, claims: list[float]) -> list[float]:
+        return [min(1.0, max(0.0, c + self.shift(j, c))) for j, c in enumerate(claims)]
+
+    def update(self, claims: list[float], kept: int) -> None:
+        """A verified draft whose raw per-position claims were `claims`, of which the first
+        `kept` were accepted (positions 0..kept tested)."""
+        for j, c in enumerate(claims[: kept + 1]):
+            residual = (1.0 if j < kept else 0.0) - c
+            p = min(j, self.positions - 1)
+            for counts, memory in ((self.cells.setdefault((p, self._bucket(c)), [0.0, 0.0]), MEMORY),
+                                   (self.pooled[p], 4 * MEMORY)):
+                counts[0] += residual
+                counts[1] += 1.0
+                if counts[1] > memory:
+                    scale = memory / counts[1]
+                    counts[0] *= scale
+                    counts[1] *= scale
+
+    def table(self) -> list[dict]:
+        """Per position: tested positions and the mean correction applied to them."""
+        return [{"position": p, "tested": round(n, 1), "shift": round(res / (n + RECAL_PRIOR), 4)}
+                for p, (res, n) in enumerate(self.pooled) if n]
 
 
 def survival(conditionals: list[float]) -> list[float]:

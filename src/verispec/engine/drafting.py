@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 
-from verispec.engine.acceptance import OnlineAcceptance, survival
+from verispec.engine.acceptance import HeadRecalibration, OnlineAcceptance, survival
 from verispec.engine.draft import Draft, DraftProvider, DraftStats, Hidden, NoDrafter, SourceContext
 from verispec.engine.draft_length import PROBE_EVERY, AcceptanceEstimate, DraftLength
 from verispec.engine.metrics import Histogram
@@ -43,7 +43,7 @@ def speculation_enabled() -> bool:
 
 class Drafting:
     def __init__(self, provider: DraftProvider, length: DraftLength, forced_drafts: bool = True,
-                 schedule: VerifySchedule | None = None):
+                 schedule: VerifySchedule | None = None, recalibrate_heads: bool = True):
         self.provider = provider
         self.active = not isinstance(provider, NoDrafter)  # a real source drafts
         self.length = length
@@ -51,6 +51,9 @@ class Drafting:
         # Algorithm 1 across the step's rows (None or mode "cost": each row's cost policy alone)
         self.schedule = schedule if schedule is not None and schedule.active else None
         self.online = OnlineAcceptance(max(1, length.cap))  # confidences for sources without a head
+        # a head's claims corrected by served rounds, greedy (True) and sampled (False) rows apart
+        self.recalibration = {g: HeadRecalibration(max(1, length.cap)) for g in (True, False)} \
+            if recalibrate_heads else None
         bind = getattr(provider, "bind_confidences", None)  # a composite source chooses by them
         if bind is not None:
             bind(self.conditionals)
@@ -120,12 +123,15 @@ class Drafting:
             out = self._scheduled(rows, out, batch_tokens, batch_rows or len(rows))
         return out
 
-    def conditionals(self, draft: Draft) -> list[float]:
-        """P(draft j accepted | the drafts before it accepted), per position."""
+    def conditionals(self, draft: Draft, greedy: bool = True) -> list[float]:
+        """P(draft j accepted | the drafts before it accepted), per position, for a greedy
+        or a sampled row."""
         if draft.forced:
             return [1.0] * len(draft)
         if draft.confidence is not None:
-            return list(draft.confidence)
+            if self.recalibration is None:
+                return list(draft.confidence)
+            return self.recalibration[greedy].corrected(draft.confidence)
         return self.online.confidences(draft.feature or [0] * len(draft))
 
     def _scheduled(self, rows, drafts: list[Draft], batch_tokens: int, batch_rows: int) -> list[Draft]:
@@ -136,7 +142,7 @@ class Drafting:
         for i, (row, draft) in enumerate(zip(rows, drafts)):
             if not draft.tokens:
                 continue
-            surv = survival(self.conditionals(draft))
+            surv = survival(self.conditionals(draft, row.params.is_greedy))
             if row.params.seed is not None:
                 base += len(draft)
                 tau0 += sum(surv)
@@ -172,6 +178,8 @@ class Drafting:
         if draft.tokens and not draft.forced:
             if draft.confidence is None:
                 self.online.update(draft.feature or [0] * len(draft), kept)
+            elif self.recalibration is not None:
+                self.recalibration[row.params.is_greedy].update(draft.confidence, kept)
             for stats in (row.draft_stats, self.totals):
                 stats.record_positions(len(draft), kept)
             row.draft_stats.estimate.update(len(draft), kept)
@@ -215,6 +223,9 @@ class Drafting:
             # P(draft j kept | drafts before it kept): the paper's conditional acceptance
             "per_position_acceptance": [round(a / r, 4) if r else None for a, r in zip(self.accepted_at, self.reached_at)],
             "drafted_at": list(self.drafted_at),
+            **({"head_recalibration": {("greedy" if g else "sampled"): r.table()
+                                       for g, r in self.recalibration.items() if r.table()}}
+               if self.recalibration is not None else {}),
         }
 
     # -- inside ----------------------------------------------------------------------------

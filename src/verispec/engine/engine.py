@@ -101,6 +101,8 @@ class EngineConfig:
     # how many drafted tokens each row verifies: "cost" (each row's cost policy alone),
     # "strict" / "production" (DSpark's Algorithm 1 across the step: engine/verify_schedule.py)
     verify_schedule: str = "cost"
+    # a head's confidences corrected online by what verification kept (engine/acceptance.py)
+    recalibrate_heads: bool = True
     prefix_cache: bool = True  # keep finished rows' KV for later prompts that start the same (prefix_cache.py)
     prefix_cache_bytes: int | None = None  # its cap; None: a quarter of the KV budget (it counts against it)
 
@@ -171,7 +173,7 @@ class Engine:
                              provider.draft_costs(costs) if costs is not None and drafter is not None else (0.0, 0.0),
                              ask_all=scheduled)
         schedule = VerifySchedule(self.config.verify_schedule, costs.sps) if scheduled else None
-        return Drafting(provider, length, self.config.forced_drafts, schedule)
+        return Drafting(provider, length, self.config.forced_drafts, schedule, self.config.recalibrate_heads)
 
     # -- API (any thread) -----------------------------------------------------------
 
