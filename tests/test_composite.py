@@ -83,10 +83,14 @@ def test_composite_needs_two_sources_reading_the_same_layers(models):
 
 
 class _Scripted(DraftProvider):
-    """A source whose drafts are scripted per row (by the row's prompt[0]), counting the rows it is asked for."""
+    """A source whose drafts are scripted per row (by the row's prompt[0]), counting the rows
+    it is asked for; its rounds cost `cost` single-token target steps."""
 
-    def __init__(self, name: str, free: bool, drafts: dict[int, Draft]):
-        self.name, self.free, self.drafts, self.asked = name, free, drafts, []
+    def __init__(self, name: str, free: bool, drafts: dict[int, Draft], cost: float = 0.0):
+        self.name, self.free, self.drafts, self.asked, self.cost = name, free, drafts, [], cost
+
+    def draft_costs(self, target_costs):
+        return self.cost, 0.0
 
     def new_source(self, context: SourceContext) -> DraftSource:
         source = DraftSource()
@@ -100,11 +104,12 @@ class _Scripted(DraftProvider):
 
 def test_a_paid_source_is_asked_only_where_the_free_candidates_offer_less_than_it_gains():
     """The lazy rule (greedy rows, the gain = the sum of survival products): after the
-    exploration round that measures the model source, row 0, where the lookup offers a sure
-    long draft, never pays for the model's round; row 1, offered only a weak lookup draft,
-    and row 2, offered none, ask it every round; every 8th round asks everyone again. The
-    larger gain is verified, except that exploration rounds verify a draft whose estimate
-    is learnt online (no confidences of its own: row 1's lookup draft) when one is offered."""
+    first round, which asks everyone and so measures the model source, row 0, where the
+    lookup offers a sure long draft, never pays for the model's round; row 1, offered only
+    a weak lookup draft, and row 2, offered none, ask it every round; the 33rd round would
+    ask everyone again. The larger gain is verified, except that every 8th round verifies
+    a draft whose estimate is learnt online (no confidences of its own: row 1's lookup
+    draft) when one is offered."""
     sure, weak, model = Draft([1, 2, 3], confidence=[0.9, 0.9, 0.9]), Draft([4]), \
         Draft([5, 6], confidence=[0.6, 0.5])  # gains 2.439, 0.5 (no confidences: 1/2 each) and 0.9
     free = _Scripted("lookup", True, {0: sure, 1: weak})
@@ -113,8 +118,8 @@ def test_a_paid_source_is_asked_only_where_the_free_candidates_offer_less_than_i
     sources = [provider.new_source(SourceContext([row], [], SamplingParams(), 64)) for row in range(3)]
     picked = [provider.draft_batch([(s, 0, 4) for s in sources]) for _ in range(16)]
     assert sorted(free.asked) == sorted([0, 1, 2] * 16)
-    assert paid.asked.count(0) == 2 and paid.asked.count(1) == 16 and paid.asked.count(2) == 16
-    assert provider.stats()["asked"] == {"model": 34, "lookup": 48} and provider.stats()["rows"] == 48
+    assert paid.asked.count(0) == 1 and paid.asked.count(1) == 16 and paid.asked.count(2) == 16
+    assert provider.stats()["asked"] == {"model": 33, "lookup": 48} and provider.stats()["rows"] == 48
     for k, drafts in enumerate(picked):
         explore = k % 8 == 0
         assert [d.tokens for d in drafts] == [sure.tokens, (weak if explore else model).tokens, model.tokens]
@@ -122,3 +127,36 @@ def test_a_paid_source_is_asked_only_where_the_free_candidates_offer_less_than_i
     before = len(paid.asked), len(free.asked)
     assert provider.draft_batch([(sources[2], 0, 0)]) == [Draft()]
     assert (len(paid.asked), len(free.asked)) == before
+
+
+def test_a_paid_source_is_asked_only_where_it_gains_more_than_its_round_costs():
+    """The model's drafts are expected to gain G = 0.9; its round costs c = 0.5 target steps.
+    Asking it pays where G > O + c (1 + O), O the lookup's offer: not on row 1 (O = 0.5 needs
+    G > 1.25), on row 2 (nothing offered: G > 0.5). Row 1 then asks it only on its probe
+    rounds (the 1st and 33rd), and the engine's draft length policy is charged only the
+    lookup's (nothing), not the model's round."""
+    weak, model = Draft([4]), Draft([5, 6], confidence=[0.6, 0.5])
+    free = _Scripted("lookup", True, {1: weak})
+    paid = _Scripted("model", False, {1: model, 2: model}, cost=0.5)
+    provider = CompositeProvider([paid, free])
+    assert provider.draft_costs(None) == (0.0, 0.0)
+    sources = [provider.new_source(SourceContext([row], [], SamplingParams(), 64)) for row in (1, 2)]
+    picked = [provider.draft_batch([(s, 0, 4) for s in sources]) for _ in range(40)]
+    assert paid.asked.count(1) == 2 and paid.asked.count(2) == 40
+    # row 1 verifies the lookup's draft except where the model was asked (and not exploring)
+    assert [d[0].tokens for d in picked[1:32]] == [weak.tokens] * 31
+    assert all(d[1].tokens == model.tokens for d in picked)
+    # where verifying costs: with a forward of 2 tokens 1.5x one of 1 and 3 tokens 2x, the
+    # model's drafts (G = 0.9, so about 1.9 verified) would emit 1.9 tokens in a step of
+    # ~1.95: not asked even where nothing else is offered, round cost or not
+    from verispec.engine.step_costs import StepCosts
+
+    steep = CompositeProvider([_Scripted("model", False, {2: model}), _Scripted("lookup", True, {})])
+    steep.draft_costs(StepCosts({1: 1.0, 2: 1.5, 3: 2.0, 4: 2.5}))
+    row = steep.new_source(SourceContext([2], [], SamplingParams(), 64))
+    for _ in range(8):
+        steep.draft_batch([(row, 0, 4)])
+    assert steep.providers[0].asked == [2] and steep.stats()["asked"]["model"] == 1
+    # free-only composites are charged nothing; paid-only ones their sources' sum
+    both_paid = CompositeProvider([_Scripted("a", False, {}, cost=0.5), _Scripted("b", False, {}, cost=0.25)])
+    assert both_paid.draft_costs(None) == (0.75, 0.0)

@@ -25,13 +25,23 @@ bias the output. A DSpark head's calibrated confidences need no such rounds, and
 its short draft instead of the lookup's long sure one on looping text cost every 8th round.
 
 Free sources (a lookup: `DraftProvider.free`) propose first. A paid source (a model
-drafter, whose round costs a backbone pass) is then asked only for the rows where no free
-candidate is expected to gain as much as that source's candidates have recently gained
-(`LazyGain`, a running mean over its offered drafts, greedy and sampled rows apart), and
-on exploration rounds: on text that repeats itself the lookup's long, sure drafts win
-anyway and the model's round is not paid. The choice reads the free drafts (functions
-of the text) and past rounds only, never this round's sampled drafts, so it is lossless
-as the choice between candidates is. A source not asked this round keeps its context:
+drafter, whose round costs a backbone pass) is then asked only for the rows where it is
+expected to pay: its candidates' recent expected gain G (`LazyGain`, a running mean of the
+sums of their survival products, greedy and sampled rows apart, on the engine's
+confidences, which it recalibrates online against what verification kept) against the
+best free candidate's O, each over what its step would cost: the target forward over the
+step's B rows plus about one more draft than the candidate is expected to keep (the
+first rejected one), read from the engine's measured step costs, plus the paid round's
+own cost c (single-token target steps). Asked where (1 + G) / (s(B + m_G) + c) >
+(1 + O) / s(B + m_O), m = min(draft length, gain + 1): this row's tokens per time, the
+step's other rows counted in its cost but not its output (conservative); and on a row's first round and
+every `PROBE_EVERY`-th after it, so G keeps learning. The engine's draft length policy is
+charged for the free sources only (`draft_costs`): a paid round's cost is this rule's to
+weigh, not a reason to shorten the lookup's drafts on rows where the model is never
+asked. On text that repeats
+itself the lookup's long, sure drafts win anyway and the model's round is not paid. The
+choice reads the free drafts (functions of the text) and past rounds only, never this
+round's sampled drafts, so it is lossless as the choice between candidates is. A source not asked this round keeps its context:
 the next round it drafts in takes every committed row since (a DSpark backbone pass over
 more new context rows). Oracle: tests/test_composite.py (greedy identical to
 plain decoding on the DeepSpec fixture; at T > 0 the chi-square test of
@@ -44,12 +54,13 @@ from verispec.engine.acceptance import survival
 from verispec.engine.draft import Draft, DraftProvider, DraftSource, SourceContext
 
 EXPLORE_EVERY = 8  # every 8th round of a row verifies its least-chosen source's candidate
+PROBE_EVERY = 32  # every 32nd round of a row asks every paid source, whatever it is expected to gain
 GAIN_MEMORY = 32  # drafts a paid source's running mean gain mostly rests on
 
 
 class LazyGain:
-    """The running mean gain of one source's offered drafts, for greedy and sampled rows
-    apart (their gains are different measures); None until it has offered one."""
+    """The running mean expected gain of one source's offered drafts, for greedy and sampled
+    rows apart (their acceptance differs); None until it has offered one."""
 
     def __init__(self):
         self.mean: dict[bool, float] = {}
@@ -104,6 +115,8 @@ class CompositeProvider(DraftProvider):
         self.chosen = [0] * len(providers)  # rounds each source's candidate was verified, all rows
         self.gains = [LazyGain() for _ in providers]
         self.asked = [0] * len(providers)  # rows each source was asked to draft for
+        self.costs = [(0.0, 0.0)] * len(providers)  # each source's (per round, per token), once measured
+        self.step_costs = None  # the engine's measured target step costs (engine/step_costs.py); None: flat
         self.rows = 0  # rows that asked the composite for a draft
         # free sources first: what they offer decides whether a paid one is asked
         self.order = sorted(range(len(providers)), key=lambda i: not providers[i].free)
@@ -122,28 +135,31 @@ class CompositeProvider(DraftProvider):
         return {"chosen": dict(zip(names, self.chosen)), "asked": dict(zip(names, self.asked)), "rows": self.rows}
 
     def draft_costs(self, target_costs) -> tuple[float, float]:
-        fixed = per = 0.0
-        for p in self.providers:
-            f, t = p.draft_costs(target_costs)
-            fixed, per = fixed + f, per + t
-        return fixed, per
+        """What the draft length policy is charged: the free sources' costs where there are
+        any (a paid source's round is weighed per row by `_worth_asking`), else all."""
+        self.step_costs = target_costs
+        self.costs = [p.draft_costs(target_costs) for p in self.providers]
+        charged = [c for p, c in zip(self.providers, self.costs) if p.free] or self.costs
+        return sum(f for f, _ in charged), sum(t for _, t in charged)
 
     def kv_bytes(self, capacity: int) -> int:
         return sum(p.kv_bytes(capacity) for p in self.providers)
 
     def draft_batch(self, requests: list[tuple[DraftSource, int, int]]) -> list[Draft]:
         options = [[Draft() for _ in self.providers] for _ in requests]
-        gains = [[-1.0] * len(self.providers) for _ in requests]  # each offered draft's expected gain, once
-        best = [-1.0] * len(requests)  # the best gain offered so far per row
-        explore = []
+        picks = [[-1.0] * len(self.providers) for _ in requests]  # each offered draft's pick key, once
+        best = [(0.0, 0)] * len(requests)  # per row: (the largest expected gain offered so far, its length)
+        batch = sum(1 for _, _, n in requests if n > 0)  # rows drafting: one pending token each
+        explore, probe = [], []
         for source, _, n in requests:
             source.rounds += 1
             explore.append(source.rounds % EXPLORE_EVERY == 1)
+            probe.append(source.rounds % PROBE_EVERY == 1)
         self.rows += sum(1 for _, _, n in requests if n > 0)
         for i in self.order:
             p = self.providers[i]
             rows = [r for r, (source, _, n) in enumerate(requests) if n > 0 and (
-                p.free or explore[r] or self._worth_asking(i, best[r], source))]
+                p.free or probe[r] or self._worth_asking(i, best[r], source, min(n, p.max_draft), batch))]
             if not rows:
                 continue
             self.asked[i] += len(rows)
@@ -153,16 +169,16 @@ class CompositeProvider(DraftProvider):
                 options[r][i] = d
                 if d.tokens:
                     source = requests[r][0]
-                    gains[r][i] = self._gain(d, source)
-                    self.gains[i].add(source.context.params.is_greedy, gains[r][i])
-                    best[r] = max(best[r], gains[r][i])
+                    gain, picks[r][i] = self._gain(d, source)
+                    self.gains[i].add(source.context.params.is_greedy, gain)
+                    best[r] = max(best[r], (gain, len(d)))
         out = []
         for r, (source, _, n) in enumerate(requests):
             if n <= 0:
                 out.append(Draft())
                 continue
             row = options[r]
-            pick = max(range(len(row)), key=lambda i: (gains[r][i], -i))
+            pick = max(range(len(row)), key=lambda i: (picks[r][i], -i))
             if explore[r]:
                 # a row's first round and every 8th after it: of the sources whose estimate is
                 # learnt online, the one verified least often over all rows, so every estimate
@@ -177,16 +193,29 @@ class CompositeProvider(DraftProvider):
             out.append(row[pick])
         return out
 
-    def _worth_asking(self, i: int, offered: float, source: CompositeSource) -> bool:
-        """Ask paid source i for this row unless what is already offered is expected to gain
-        at least as much as source i's drafts have recently gained."""
+    def _worth_asking(self, i: int, offered: tuple[float, int], source: CompositeSource, n: int, batch: int) -> bool:
+        """Ask paid source i for n drafts on this row if a step verifying drafts like its
+        recent ones is expected to emit more per second, its round included, than one
+        verifying what is already offered (`offered`: expected gain, length)."""
         expected = self.gains[i].get(source.context.params.is_greedy)
-        return expected is None or offered < expected
+        if expected is None:
+            return True
+        fixed, per_token = self.costs[i]
+        s = self.step_costs if self.step_costs is not None else (lambda tokens: 1.0)
+        base = s(batch)  # the step's forward without drafts; this row's share of what drafts add:
 
-    def _gain(self, draft: Draft, source: CompositeSource) -> float:
-        if not draft.tokens:
-            return -1.0
-        conditionals = self.conditionals(draft) if self.conditionals else (draft.confidence or [0.5] * len(draft))
-        if source.context.params.is_greedy:
-            return sum(survival(conditionals))
-        return conditionals[0]  # decided before any sampled token is looked at
+        def step(drafts: float, paid: float = 0.0) -> float:
+            return (s(batch + drafts) + paid) / base
+
+        gain, length = offered
+        return (1.0 + expected) / step(min(n, expected + 1.0), fixed + per_token * n) > \
+            (1.0 + gain) / step(min(length, gain + 1.0))
+
+    def _gain(self, draft: Draft, source: CompositeSource) -> tuple[float, float]:
+        """(the draft's expected number of accepted tokens, its key in the pick): the same for
+        greedy rows; for sampled rows the key is its first draft's confidence, decided before
+        any sampled token is looked at."""
+        greedy = source.context.params.is_greedy
+        conditionals = self.conditionals(draft, greedy) if self.conditionals else (draft.confidence or [0.5] * len(draft))
+        gain = sum(survival(conditionals))
+        return gain, gain if greedy else conditionals[0]
