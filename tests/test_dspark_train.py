@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from tests.fixtures import oracle
 from verispec.cli import main
+from verispec.engine.verify_schedule import SERVED
 
 ORACLE = oracle()
 TRAIN = ["--layers", "1", "--block-size", "4", "--markov-rank", "8", "--draft-vocab", "0", "--mask-token-id", "511",
@@ -276,6 +277,9 @@ def test_calibrate_writes_thresholds_and_measure_reports(tmp_path):
     assert (drafter / "report.md").read_text().count("| gsm8k |") == 2 and (drafter / "measure.png").is_file()
     # the target ran the kernel plan `verispec serve` runs, not PyTorch's defaults: speed as served
     composite = measured["target"].pop("composite")  # the composite's drafter was asked for some rows, not more
+    # verify lengths decided as `verispec serve` decides them by default
+    assert measured["target"].pop("verify_schedule") == SERVED == "strict" and measured["target"].pop("fixed_draft") is True
+    assert "verify schedule strict" in (drafter / "report.md").read_text()
     assert 0 < composite["asked"]["dspark"] <= composite["rows"] == composite["asked"]["ngram"]
     assert measured["target"] == {"dtype": "float32", "plan": plan_summary(load_for_serving(target, "float32"))}
     assert measured["target"]["plan"] != "PyTorch kernels"

@@ -69,6 +69,8 @@ def _add_structured_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
+    from verispec.engine.verify_schedule import MODES as VERIFY_MODES, SERVED as SERVED_SCHEDULE
+
     g = p.add_argument_group("speculative decoding (lossless: the same tokens at temperature 0, the same distribution above)")
     g.add_argument("--speculate", choices=["ngram", "dspark", "composite", "none"], default=None,
                    help="ngram: draft by prompt lookup (no weights; pays on edits, summaries, code); dspark: the DSpark "
@@ -88,7 +90,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="most draft tokens a request verifies per step (default 8); fewer are drafted when they do not pay")
     g.add_argument("--fixed-draft", action="store_true",
                    help="always draft --num-draft-tokens (turn off the cost-based draft length policy)")
-    g.add_argument("--verify-schedule", choices=["cost", "strict", "production"], default="strict",
+    g.add_argument("--verify-schedule", choices=list(VERIFY_MODES), default=SERVED_SCHEDULE,
                    help="how many drafted tokens each request verifies per step: strict (default: DSpark's Algorithm 1 "
                         "as printed, maximize expected tokens x measured steps/s across the step's rows, stopping at "
                         "the first draft that does not pay), production (its global-search form: the token budget from "

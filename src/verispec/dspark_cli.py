@@ -200,7 +200,9 @@ a whole run for the default model (each command can be stopped and rerun; README
     me.add_argument("--temperatures", default="0,1", help="comma-separated (default 0,1)")
     me.add_argument("--max-tokens", type=int, default=192)
     me.add_argument("--fixed-draft", action="store_true", help="always draft a full block (no cost-based policy)")
-    me.add_argument("--verify-schedule", choices=["cost", "strict", "production"], default="strict",
+    from verispec.engine.verify_schedule import MODES as VERIFY_MODES, SERVED as SERVED_SCHEDULE
+
+    me.add_argument("--verify-schedule", choices=list(VERIFY_MODES), default=SERVED_SCHEDULE,
                     help="how many drafts each step verifies, as `verispec serve --verify-schedule` (default strict, "
                          "serve's default; cost: each row's own cost-based draft length)")
     me.add_argument("--with-ngram", action="store_true",

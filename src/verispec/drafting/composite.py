@@ -26,26 +26,31 @@ its short draft instead of the lookup's long sure one on looping text cost every
 
 Free sources (a lookup: `DraftProvider.free`) propose first. A paid source (a model
 drafter, whose round costs a backbone pass) is then asked only for the rows where it is
-expected to pay: its candidates' recent expected gain G (`LazyGain`, a running mean of the
-sums of their survival products, greedy and sampled rows apart, on the engine's
-confidences, which it recalibrates online against what verification kept) against the
-best free candidate's O, each over what its step would cost: the target forward over the
-step's B rows plus about one more draft than the candidate is expected to keep (the
-first rejected one), read from the engine's measured step costs, plus the paid round's
-own cost c (single-token target steps). Asked where (1 + G) / (s(B + m_G) + c) >
-(1 + O) / s(B + m_O), m = min(draft length, gain + 1): this row's tokens per time, the
-step's other rows counted in its cost but not its output (conservative); and on a row's first round and
-every `PROBE_EVERY`-th after it, so G keeps learning. The engine's draft length policy is
-charged for the free sources only (`draft_costs`): a paid round's cost is this rule's to
-weigh, not a reason to shorten the lookup's drafts on rows where the model is never
-asked. On text that repeats
-itself the lookup's long, sure drafts win anyway and the model's round is not paid. The
-choice reads the free drafts (functions of the text) and past rounds only, never this
-round's sampled drafts, so it is lossless as the choice between candidates is. A source not asked this round keeps its context:
-the next round it drafts in takes every committed row since (a DSpark backbone pass over
-more new context rows). Oracle: tests/test_composite.py (greedy identical to
-plain decoding on the DeepSpec fixture; at T > 0 the chi-square test of
-tests/test_dspark.py's setting passes).
+expected to pay. G: its candidates' recent expected gain (`LazyGain`, a running mean of
+the sums of their survival products, greedy and sampled rows apart, on the engine's
+confidences, which the engine recalibrates online against what verification kept). O: the
+best free candidate's. Each is weighed against what its step would cost: the target
+forward over the step's B rows plus about one draft more than the candidate is expected
+to keep (the first rejected one), from the engine's measured step costs s, plus the paid
+round's own cost c (single-token target steps). The source is asked where
+
+    (1 + G) / (s(B + m_G) + c)  >  (1 + O) / s(B + m_O),   m = min(draft length, gain + 1)
+
+(this row's tokens per unit of time; the step's other rows count in its cost, not its
+output, which is conservative), and on a row's first round and every `PROBE_EVERY`-th
+after it, so G keeps learning. The engine's draft length policy is charged the free
+sources only (`draft_costs`): a paid round's cost is this rule's to weigh, not a reason
+to shorten the lookup's drafts on rows where the model is never asked. On text that
+repeats itself the lookup's long, sure drafts win and the model's round is not paid.
+
+The choice reads the free drafts (functions of the text) and past rounds only, never
+this round's sampled drafts, so it is lossless as the choice between candidates is. A
+source not asked this round keeps its context: the next round it drafts in takes every
+committed row since (a DSpark backbone pass over more new context rows).
+
+Oracle: tests/test_composite.py (greedy identical to plain decoding on the DeepSpec
+fixture; at T > 0 the chi-square test of tests/test_dspark.py's setting passes; scripted
+sources for exactly which rows pay for the model's round, with and without step costs).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from collections import deque
 from typing import Callable
 
 MODES = ("cost", "strict", "production")  # cost: engine/draft_length.py's per-row policy alone
+SERVED = "strict"  # what `verispec serve` / `generate` / `dspark measure` decide with unless told
 
 
 def _entries(survival: list[list[float]]) -> list[tuple[float, int, int]]:

@@ -41,6 +41,7 @@ def run_measure(args) -> int:
     from verispec.drafting.dspark.checkpoint import load_dspark, newest_checkpoint
     from verispec.training.dspark.live import make_engine, run_live
     from verispec.drafting.dspark.source import DSparkProvider
+    from verispec.engine.verify_schedule import SERVED as SERVED_SCHEDULE
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -54,7 +55,7 @@ def run_measure(args) -> int:
     g = drafter.block_size
     plain = make_engine(loaded)
     policy = {"adaptive": not args.fixed_draft, "num_draft_tokens": g,
-              "verify_schedule": getattr(args, "verify_schedule", "strict")}  # as `verispec serve` decides by default
+              "verify_schedule": getattr(args, "verify_schedule", SERVED_SCHEDULE)}  # as `verispec serve` decides by default
     dspark = make_engine(loaded, DSparkProvider(drafter), **policy)
     from verispec.drafting.ngram import NgramProvider
 
