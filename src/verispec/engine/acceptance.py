@@ -38,6 +38,17 @@ MEMORY = 512.0
 START_RATE = 0.5
 
 
+def _observe(counts: list[float], value: float, memory: float) -> None:
+    """Add one tested position's value to a cell's [sum, tested], decaying both so that the
+    cell rests on about its last `memory` positions."""
+    counts[0] += value
+    counts[1] += 1.0
+    if counts[1] > memory:
+        scale = memory / counts[1]
+        counts[0] *= scale
+        counts[1] *= scale
+
+
 class OnlineAcceptance:
     def __init__(self, positions: int):
         self.positions = max(1, positions)
@@ -61,14 +72,8 @@ class OnlineAcceptance:
         for j, f in enumerate(features[: kept + 1]):
             hit = 1.0 if j < kept else 0.0
             p = min(j, self.positions - 1)
-            for counts, memory in ((self.cells.setdefault((p, f), [0.0, 0.0]), MEMORY),
-                                   (self.pooled[p], 4 * MEMORY)):
-                counts[0] += hit
-                counts[1] += 1.0
-                if counts[1] > memory:
-                    scale = memory / counts[1]
-                    counts[0] *= scale
-                    counts[1] *= scale
+            _observe(self.cells.setdefault((p, f), [0.0, 0.0]), hit, MEMORY)
+            _observe(self.pooled[p], hit, 4 * MEMORY)
 
     def table(self) -> list[dict]:
         return [{"position": p, "feature": f, "tested": round(n, 1), "rate": round(self.conditional(p, f), 4)}
@@ -112,14 +117,8 @@ class HeadRecalibration:
         for j, c in enumerate(claims[: kept + 1]):
             residual = (1.0 if j < kept else 0.0) - c
             p = min(j, self.positions - 1)
-            for counts, memory in ((self.cells.setdefault((p, self._bucket(c)), [0.0, 0.0]), MEMORY),
-                                   (self.pooled[p], 4 * MEMORY)):
-                counts[0] += residual
-                counts[1] += 1.0
-                if counts[1] > memory:
-                    scale = memory / counts[1]
-                    counts[0] *= scale
-                    counts[1] *= scale
+            _observe(self.cells.setdefault((p, self._bucket(c)), [0.0, 0.0]), residual, MEMORY)
+            _observe(self.pooled[p], residual, 4 * MEMORY)
 
     def table(self) -> list[dict]:
         """Per position: tested positions and the mean correction applied to them."""
