@@ -57,6 +57,7 @@ from __future__ import annotations
 
 from verispec.engine.acceptance import survival
 from verispec.engine.draft import Draft, DraftProvider, DraftSource, SourceContext
+from verispec.engine.step_costs import StepCosts
 
 EXPLORE_EVERY = 8  # every 8th round of a row verifies its least-chosen source's candidate
 PROBE_EVERY = 32  # every 32nd round of a row asks every paid source, whatever it is expected to gain
@@ -121,7 +122,7 @@ class CompositeProvider(DraftProvider):
         self.gains = [LazyGain() for _ in providers]
         self.asked = [0] * len(providers)  # rows each source was asked to draft for
         self.costs = [(0.0, 0.0)] * len(providers)  # each source's (per round, per token), once measured
-        self.step_costs = None  # the engine's measured target step costs (engine/step_costs.py); None: flat
+        self.step_costs = StepCosts.flat()  # the engine's measured target step costs, once bound
         self.rows = 0  # rows that asked the composite for a draft
         # free sources first: what they offer decides whether a paid one is asked
         self.order = sorted(range(len(providers)), key=lambda i: not providers[i].free)
@@ -142,7 +143,7 @@ class CompositeProvider(DraftProvider):
     def draft_costs(self, target_costs) -> tuple[float, float]:
         """What the draft length policy is charged: the free sources' costs where there are
         any (a paid source's round is weighed per row by `_worth_asking`), else all."""
-        self.step_costs = target_costs
+        self.step_costs = target_costs or StepCosts.flat()
         self.costs = [p.draft_costs(target_costs) for p in self.providers]
         charged = [c for p, c in zip(self.providers, self.costs) if p.free] or self.costs
         return sum(f for f, _ in charged), sum(t for _, t in charged)
@@ -206,7 +207,7 @@ class CompositeProvider(DraftProvider):
         if expected is None:
             return True
         fixed, per_token = self.costs[i]
-        s = self.step_costs if self.step_costs is not None else (lambda tokens: 1.0)
+        s = self.step_costs
         base = s(batch)  # the step's forward without drafts; this row's share of what drafts add:
 
         def step(drafts: float, paid: float = 0.0) -> float:

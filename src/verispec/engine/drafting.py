@@ -223,8 +223,8 @@ class Drafting:
             # P(draft j kept | drafts before it kept): the paper's conditional acceptance
             "per_position_acceptance": [round(a / r, 4) if r else None for a, r in zip(self.accepted_at, self.reached_at)],
             "drafted_at": list(self.drafted_at),
-            **({"head_recalibration": {("greedy" if g else "sampled"): r.table()
-                                       for g, r in self.recalibration.items() if r.table()}}
+            **({"head_recalibration": {("greedy" if g else "sampled"): table
+                                       for g, r in self.recalibration.items() if (table := r.table())}}
                if self.recalibration is not None else {}),
         }
 
