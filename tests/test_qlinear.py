@@ -199,3 +199,21 @@ def test_rope_and_silu_mul_helpers(mod):
     gate_up = torch.randn(4, 2 * 48)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(mod.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+def test_gelu_mul_is_gelu_tanh_times_up_with_the_same_bits_in_vector_lanes_and_tail(mod):
+    """Gemma's activation: gelu_tanh(gate) * up (transformers' formula as the oracle), one
+    element's bits the same whether a 16-lane vector or the scalar tail computed it."""
+    gen = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(3, 2 * 53, generator=gen) * 3
+    gate_up[:, 48:53] = gate_up[:, 0:5]  # the tail (48..52) repeats lanes 0..4, gate and up alike
+    gate_up[:, 53 + 48 : 53 + 53] = gate_up[:, 53 : 53 + 5]
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = mod.gelu_mul(gate_up)
+    torch.testing.assert_close(out.double(), F.gelu(gate.double(), approximate="tanh") * up.double(),
+                               rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[:, 48:53], out[:, 0:5])
+    bf = mod.gelu_mul(gate_up.to(torch.bfloat16))  # computed in float32 from the bf16 inputs, rounded once
+    g16, u16 = gate_up.to(torch.bfloat16).float().chunk(2, dim=-1)
+    torch.testing.assert_close(bf.float(), (F.gelu(g16, approximate="tanh") * u16).to(torch.bfloat16).float(),
+                               rtol=1e-2, atol=1e-2)
