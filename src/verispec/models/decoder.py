@@ -260,6 +260,7 @@ class Decoder(nn.Module):
             weight = self.lm_weight()
             self.lm = Linear(weight.shape[1], weight.shape[0])
             self.lm.weight = nn.Parameter(weight, requires_grad=False)
+            self.lm.float_out = True  # logits leave in float32, not through the model's dtype
         return self.lm
 
     def cast(self, dtype: torch.dtype) -> None:

@@ -101,6 +101,9 @@ class Linear(nn.Module):
         self._fmt = -1
         self._isa = -1
         self._call = None  # verispec's kernels: the bound call (linear_forward)
+        # verispec's kernels sum in float32: give that back as is, not rounded to the input's
+        # dtype (the lm_head, whose logits are wanted in float32 anyway)
+        self.float_out = False
 
     def use(self, kernel: str) -> bool:
         """Switch to `kernel` (False, and unchanged, where it cannot run). The dense weight
@@ -163,16 +166,19 @@ def _kernel_call(layer: Linear):
 
     mod = kernels.load()
     blocks, bias, n, fmt = layer.blocks, layer.bias, layer.out_features, layer._fmt
+    float_out = layer.float_out
     if layer.kernel == "bf16dot":
         fn = mod.bf16_linear
-        return lambda x: fn(x, blocks, bias, n, False)
+        return lambda x: fn(x, blocks, bias, n, float_out)
     if layer._isa == 3:
         fn = mod.qlinear16
 
         def int8(x):
             y = fn(x if x.dtype == torch.float32 else x.float(), blocks, bias, fmt, n)
-            return y if x.dtype == torch.float32 else y.to(x.dtype)
+            return y if float_out or x.dtype == torch.float32 else y.to(x.dtype)
 
         return int8
     fn, isa = mod.qlinear, layer._isa
+    if float_out:
+        return lambda x: fn(x.float(), blocks, bias, fmt, n, isa)
     return lambda x: fn(x.float(), blocks, bias, fmt, n, isa).to(x.dtype)
