@@ -315,6 +315,65 @@ def test_dspark_sampling_keeps_the_target_distribution(qwen3, monkeypatch):
     assert biased < 1e-6
 
 
+def test_dspark_sampling_over_a_draft_vocabulary_keeps_the_target_distribution(qwen3, monkeypatch):
+    """A drafter with a draft vocabulary samples its drafts and reports q over that vocabulary
+    alone (source._Chooser: every other token's probability is 0), then q is scattered back to
+    the target's ids for verification. The chi-square test above, with the trained drafter's
+    head cut to a random 3/4 of the vocabulary, so some continuations come only from a
+    rejection's residual; it fails if q's columns land on the wrong token ids."""
+    from tests.goodness_of_fit import chi_square_p
+
+    from tests.tiny_models import CharTokenizer, exact_continuations, sample_continuations
+    from verispec.drafting.dspark import source as source_module
+    from verispec.engine.engine import Engine, EngineConfig
+    from verispec.engine.sampling import SamplingParams
+
+    target, _ = qwen3
+    prompt = _prompts(ORACLE)[3]
+    params = SamplingParams(temperature=2.5, top_k=4)
+    exact = exact_continuations(target.model, prompt, params, 3)
+    cut = load_dspark(ORACLE / "drafter", dtype=torch.float32, prepare=False)
+    vocab_size = cut.lm_head.weight.shape[0]
+    ids = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(1))[: 3 * vocab_size // 4].sort().values
+    with torch.no_grad():  # the head's rows and the Markov head's bias rows: the drafter's output width
+        cut.lm_head.weight = torch.nn.Parameter(cut.lm_head.weight[ids].clone(), requires_grad=False)
+        w2 = cut.markov_head.markov_w2
+        w2.weight = torch.nn.Parameter(w2.weight[ids].clone(), requires_grad=False)
+    cut.draft_vocab_ids = ids
+    cut.prepare_for_inference()
+    calls = []
+    choose = source_module._Chooser._choose_in_draft_vocab
+    monkeypatch.setattr(source_module._Chooser, "_choose_in_draft_vocab",
+                        lambda self, logits: calls.append(1) or choose(self, logits))
+
+    def sample_counts(n):
+        engine = Engine(target.model, CharTokenizer(), (), EngineConfig(kv_budget=2**31, max_rows=500, max_waiting=n + 1,
+                                                                       num_draft_tokens=3, adaptive_draft=False),
+                        drafter=source_module.DSparkProvider(cut))
+        counts = sample_continuations(engine, prompt, params, n)
+        assert 0 < engine.drafting.totals.accepted < engine.drafting.totals.drafted
+        return counts
+
+    p = chi_square_p(sample_counts(8000), exact)
+    assert calls, "the draft-vocabulary path was not taken"
+    shuffled = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(2))]
+    real_q = source_module._Chooser.q
+
+    def misplaced_q(self, row, n):  # q's columns on other tokens than the ones drawn
+        q = real_q(self, row, n)
+        if q is None:
+            return q
+        wrong = torch.zeros_like(q)
+        wrong[:, shuffled] = q[:, ids]
+        return wrong
+
+    monkeypatch.setattr(source_module._Chooser, "q", misplaced_q)
+    wrong = chi_square_p(sample_counts(8000), exact)
+    print(f"chi-square p: draft vocabulary {p:.3g}, q misplaced {wrong:.3g}")
+    assert p > 1e-3
+    assert wrong < 1e-6
+
+
 # -- the checkpoint format ------------------------------------------------------------------
 
 

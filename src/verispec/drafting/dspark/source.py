@@ -159,8 +159,10 @@ class _Chooser:
             for r, t in enumerate(ids.tolist()):
                 self.drafted[r].append(t)
             return choice
-        full = self._full_vocab(logits.float())
         params = self.params
+        if self._on_draft_vocab:
+            return self._choose_in_draft_vocab(logits.float())
+        full = self._full_vocab(logits.float())
         penalties = any(p.has_penalties for p in params)
         histories = [s.context.output + self.drafted[r] for r, s in enumerate(self.sources)] if penalties else None
         prompts = [s.context.prompt for s in self.sources] if penalties else None
@@ -175,9 +177,40 @@ class _Chooser:
             self.drafted[r].append(t)
         return self._to_draft_index(chosen)
 
+    def _choose_in_draft_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draw and q over the draft vocabulary alone: every other token's logit is -inf,
+        so its probability is 0 under temperature, top-k, top-p and min-p alike, and the rows
+        without bias or penalties (which index target ids) need not see the target's full
+        vocabulary. On Gemma's 262,144 tokens against a 4,552-token draft vocabulary that was
+        most of a sampled round's cost: a softmax and a cumsum per slot over the full width."""
+        params = self.params
+        processed = process_logits(logits, params)
+        chosen = sample(processed, params, [s.generator for s in self.sources])
+        if not all(p.is_greedy for p in params):
+            probs = sampling_probs(processed, params)
+            for r, p in enumerate(params):
+                if not p.is_greedy:
+                    self.probs[r].append(probs[r])
+        for r, t in enumerate(self.provider.drafter.to_target_ids(chosen).tolist()):
+            self.drafted[r].append(t)
+        return chosen
+
+    @property
+    def _on_draft_vocab(self) -> bool:
+        return self.provider.drafter.draft_vocab_ids is not None and not any(
+            p.has_penalties or p.has_bias for p in self.params)
+
     def q(self, row: int, n: int) -> torch.Tensor | None:
         rows = self.probs[row]
-        return torch.stack(rows[:n]) if rows and n else None
+        if not rows or not n:
+            return None
+        q = torch.stack(rows[:n])
+        vocab = self.provider.drafter.draft_vocab_ids
+        if vocab is None or q.shape[1] != len(vocab):
+            return q
+        full = torch.zeros(n, self.provider.drafter.config.args.vocab_size, dtype=q.dtype, device=q.device)
+        full[:, vocab.to(q.device)] = q  # verification reads q over the target's vocabulary
+        return full
 
     def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         vocab = self.provider.drafter.draft_vocab_ids
