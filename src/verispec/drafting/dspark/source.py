@@ -8,7 +8,9 @@ states of `target_layer_ids` on every forward; other sources pay nothing for tha
 A round is one backbone pass over [new context rows, anchor, MASK x (gamma - 1)] for all
 drafting rows at once, then the sequential head slot by slot, each slot's token chosen
 from the request's own processed distribution (greedy: argmax; sampled: drawn with the
-source's generator, and that distribution is the q verification needs), then the
+source's generator, and that distribution is the q verification needs; over the draft
+vocabulary alone when the request has no bias or penalties, checked by a chi-square test in
+tests/test_dspark.py), then the
 confidence cut: the proposal ends before the first slot whose sigmoid(confidence) is
 below the threshold (DeepSpec's rule; an empty proposal is a plain decode step), the
 confidence divided by the slot's STS temperature first where calibrate fitted one.
@@ -166,16 +168,22 @@ class _Chooser:
         penalties = any(p.has_penalties for p in params)
         histories = [s.context.output + self.drafted[r] for r, s in enumerate(self.sources)] if penalties else None
         prompts = [s.context.prompt for s in self.sources] if penalties else None
-        processed = process_logits(full, params, prompts, histories)
+        chosen = self._draw(process_logits(full, params, prompts, histories))
+        for r, t in enumerate(chosen.tolist()):
+            self.drafted[r].append(t)
+        return self._to_draft_index(chosen)
+
+    def _draw(self, processed: torch.Tensor) -> torch.Tensor:
+        """Each row's token from its processed distribution (indices into its columns), keeping
+        that distribution as q for the sampled rows."""
+        params = self.params
         chosen = sample(processed, params, [s.generator for s in self.sources])
         if not all(p.is_greedy for p in params):
             probs = sampling_probs(processed, params)
             for r, p in enumerate(params):
                 if not p.is_greedy:
                     self.probs[r].append(probs[r])
-        for r, t in enumerate(chosen.tolist()):
-            self.drafted[r].append(t)
-        return self._to_draft_index(chosen)
+        return chosen
 
     def _choose_in_draft_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """The draw and q over the draft vocabulary alone: every other token's logit is -inf,
@@ -183,14 +191,7 @@ class _Chooser:
         without bias or penalties (which index target ids) need not see the target's full
         vocabulary. On Gemma's 262,144 tokens against a 4,552-token draft vocabulary that was
         most of a sampled round's cost: a softmax and a cumsum per slot over the full width."""
-        params = self.params
-        processed = process_logits(logits, params)
-        chosen = sample(processed, params, [s.generator for s in self.sources])
-        if not all(p.is_greedy for p in params):
-            probs = sampling_probs(processed, params)
-            for r, p in enumerate(params):
-                if not p.is_greedy:
-                    self.probs[r].append(probs[r])
+        chosen = self._draw(process_logits(logits, self.params))
         for r, t in enumerate(self.provider.drafter.to_target_ids(chosen).tolist()):
             self.drafted[r].append(t)
         return chosen
