@@ -206,11 +206,10 @@ class _Chooser:
         if not rows or not n:
             return None
         q = torch.stack(rows[:n])
-        vocab = self.provider.drafter.draft_vocab_ids
-        if vocab is None or q.shape[1] != len(vocab):
+        if not self._on_draft_vocab:  # drawn over the target's vocabulary already
             return q
         full = torch.zeros(n, self.provider.drafter.config.args.vocab_size, dtype=q.dtype, device=q.device)
-        full[:, vocab.to(q.device)] = q  # verification reads q over the target's vocabulary
+        full[:, self.provider.drafter.draft_vocab_ids.to(q.device)] = q  # verification reads target ids
         return full
 
     def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
