@@ -1197,21 +1197,37 @@ inline void silu_mul_row_f32_512(const float* gu, float* out, int64_t I) {
   for (; j < I; j++) out[j] = gu[j] / (1.0f + exp_poly(-gu[j])) * gu[I + j];
 }
 
+using GatedRow = void (*)(const float* gu, float* out, int64_t I);
+
+// act(gate) * up for each [2I] row of gate_up by `row` (float32 in and out): in place for
+// float32 data, through a float32 copy of the row for bf16 (rounded once on the way out)
 template <typename T>
-void silu_mul_impl(const T* gu, T* out, int64_t n, int64_t I) {
-  const bool wide = best_isa() == AVX512, avx2 = best_isa() == AVX2;
-  std::vector<float> g(2 * I), o(I);
+void gated_rows(const T* gu, T* out, int64_t n, int64_t I, GatedRow row) {
+  std::vector<float> g, o;
+  if constexpr (!std::is_same_v<T, float>) {
+    g.resize(2 * I);
+    o.resize(I);
+  }
   for (int64_t i = 0; i < n; i++) {
     if constexpr (std::is_same_v<T, float>) {
-      if (wide) { silu_mul_row_f32_512(gu + i * 2 * I, out + i * I, I); continue; }
-      if (avx2) { silu_mul_row_f32_256(gu + i * 2 * I, out + i * I, I); continue; }
+      row(gu + i * 2 * I, out + i * I, I);
+    } else {
+      for (int64_t j = 0; j < 2 * I; j++) g[j] = load_f(gu, i * 2 * I + j);
+      row(g.data(), o.data(), I);
+      for (int64_t j = 0; j < I; j++) store_f(out, i * I + j, o[j]);
     }
-    for (int64_t j = 0; j < 2 * I; j++) g[j] = load_f(gu, i * 2 * I + j);
-    if (wide) silu_mul_row_f32_512(g.data(), o.data(), I);
-    else if (avx2) silu_mul_row_f32_256(g.data(), o.data(), I);
-    else for (int64_t j = 0; j < I; j++) o[j] = g[j] / (1.0f + exp_poly(-g[j])) * g[I + j];
-    for (int64_t j = 0; j < I; j++) store_f(out, i * I + j, o[j]);
   }
+}
+
+inline void silu_mul_row_scalar(const float* gu, float* out, int64_t I) {
+  for (int64_t j = 0; j < I; j++) out[j] = gu[j] / (1.0f + exp_poly(-gu[j])) * gu[I + j];
+}
+
+template <typename T>
+void silu_mul_impl(const T* gu, T* out, int64_t n, int64_t I) {
+  const int isa = best_isa();
+  gated_rows(gu, out, n, I, isa == AVX512 ? silu_mul_row_f32_512 : isa == AVX2 ? silu_mul_row_f32_256
+                                                                               : silu_mul_row_scalar);
 }
 
 // RMSNorm of each row of x [n, H] (float32 sums of squares in a fixed order: 16 lanes, then
@@ -1325,24 +1341,13 @@ inline void gelu_mul_row_f32_512(const float* gu, float* out, int64_t I) {
   for (; j < I; j++) out[j] = gelu_mul_one(gu[j], gu[I + j]);
 }
 
+inline void gelu_mul_row_scalar(const float* gu, float* out, int64_t I) {
+  for (int64_t j = 0; j < I; j++) out[j] = gelu_mul_one(gu[j], gu[I + j]);
+}
+
 template <typename T>
 void gelu_mul_impl(const T* gu, T* out, int64_t n, int64_t I) {
-  if (best_isa() != AVX512) {
-    for (int64_t i = 0; i < n; i++)
-      for (int64_t j = 0; j < I; j++)
-        store_f(out, i * I + j, gelu_mul_one(load_f(gu, i * 2 * I + j), load_f(gu, i * 2 * I + I + j)));
-    return;
-  }
-  std::vector<float> g(2 * I), o(I);
-  for (int64_t i = 0; i < n; i++) {
-    if constexpr (std::is_same_v<T, float>) {
-      gelu_mul_row_f32_512(gu + i * 2 * I, out + i * I, I);
-      continue;
-    }
-    for (int64_t j = 0; j < 2 * I; j++) g[j] = load_f(gu, i * 2 * I + j);
-    gelu_mul_row_f32_512(g.data(), o.data(), I);
-    for (int64_t j = 0; j < I; j++) store_f(out, i * I + j, o[j]);
-  }
+  gated_rows(gu, out, n, I, best_isa() == AVX512 ? gelu_mul_row_f32_512 : gelu_mul_row_scalar);
 }
 
 // act(gate) * up for [n, 2I] rows (gate, up halves), in the input's dtype; `impl` is the
