@@ -356,6 +356,36 @@ def test_draws_follow_softmax_of_processed_row(shared_generator):
     assert chi_square_pvalue(tokens, wrong / wrong.sum()) < SIGNIFICANCE
 
 
+def test_two_level_draw_follows_the_weights_across_blocks_and_a_short_last_block():
+    """inverse_cdf_draw picks a block by block sums, then an entry inside it: with blocks
+    of 4 over 23 entries (the last block 3 long), unnormalized weights with zeros at
+    block edges, the draws must follow weights / total; shifting the weights by one
+    entry (a block-boundary off-by-one) must fail the same test."""
+    generator = torch.Generator().manual_seed(3)
+    weights = torch.rand(23, generator=generator) * 5
+    weights[[0, 3, 4, 11, 22]] = 0.0
+    rows = weights.expand(DRAWS, -1)
+    tokens = sampling.inverse_cdf_draw(rows, make_generator(99), block=4)
+    exact = weights.double() / weights.double().sum()
+    assert chi_square_pvalue(tokens, exact) > SIGNIFICANCE
+    shifted = torch.roll(exact, 1)
+    shifted[[0, 3, 4, 11, 22]] = 0.0
+    counts = torch.bincount(tokens, minlength=23)
+    assert chi_square_p_of_arrays(counts[shifted > 0].tolist(), (shifted[shifted > 0] / shifted.sum()).tolist()) < SIGNIFICANCE
+
+
+def test_two_level_draw_never_lands_past_a_block_when_its_sum_rounds_up(monkeypatch):
+    """In float32 1 + 6e-8 rounds up to 1 + 2**-23, past the float64 cumsum inside the block
+    (1 + 6e-8): a uniform landing in that gap must still give a positive entry of the
+    block, not the zero after it or an index past the row."""
+    weights = torch.tensor([[1.0, 6e-8, 0.0, 0.0]])
+    block_sum = float(weights.sum())
+    assert block_sum > 1.0 + 6e-8  # the rounding this test is about
+    gap = (1.0 + 9e-8) / block_sum
+    monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.full((1, 1), gap, dtype=torch.float64))
+    assert int(sampling.inverse_cdf_draw(weights, make_generator(0), block=4)[0]) == 1
+
+
 def test_sampled_row_without_generator_is_an_error():
     params = SamplingParams(temperature=1.0)
     with pytest.raises(ValueError, match="generator"):

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.engine.sampling import SamplingParams, inverse_cdf_draw, sample, sampling_probs
+from verispec.engine.sampling import SamplingParams, inverse_cdf_draw, sample, softmax_weights
 
 # q(x) below this is treated as this: a token the draft could (numerically) not have
 # drawn is accepted only with probability p / 1e-10, i.e. always when p is not tiny
@@ -106,30 +106,30 @@ def _verify_by_matching(processed, rows: list[VerifyRow], spans) -> list[tuple[i
 
 
 def speculative_sample(processed: torch.Tensor, row: VerifyRow) -> tuple[int, int]:
-    """Standard speculative sampling for one row: processed [k + 1, V], row.q [k, V]."""
+    """Standard speculative sampling for one sampled row: processed [k + 1, V], row.q [k, V].
+
+    Positions are normalized only as far as they are reached: position j's p is needed only
+    if drafts 0..j-1 were kept, and at T=1 most rounds stop at the first. Each reached
+    position costs one pass over the vocabulary (262,144 entries on Gemma); the residual
+    one more, on the rejected position only."""
     k = len(row.drafts)
-    p = sampling_probs(processed, [row.params] * (k + 1))
-    if k == 0:
-        return 0, _draw(p[0], row.generator)
-    q = row.q.to(p.device, torch.float32)
-    drafts = torch.tensor(row.drafts, device=p.device)
-    p_d = p[:k].gather(1, drafts[:, None]).squeeze(1)
-    q_d = q.gather(1, drafts[:, None]).squeeze(1).clamp_min(Q_FLOOR)
-    u = torch.rand(k, generator=row.generator, dtype=torch.float64).to(p.device)
-    keep = (u < (p_d / q_d).double()).tolist()
-    n = next((j for j, kept in enumerate(keep) if not kept), k)
-    if n == k:
-        return k, _draw(p[k], row.generator)
-    return n, _draw(residual(p[n], q[n]), row.generator)
+    u = torch.rand(k, generator=row.generator, dtype=torch.float64).tolist() if k else []
+    for j, draft in enumerate(row.drafts):
+        weights = softmax_weights(processed[j].float().clone())
+        total = float(weights.sum(dtype=torch.float64))
+        q = row.q[j]
+        if not u[j] < float(weights[draft]) / total / max(float(q[draft]), Q_FLOOR):
+            return j, _draw(residual(weights.div_(total), q.to(weights.device, torch.float32)), row.generator)
+    return k, _draw(softmax_weights(processed[k].float().clone()), row.generator)
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """normalize(max(0, p - q)): what a rejection must be resampled from (p if it vanishes)."""
-    r = (p - q).clamp_min(0)
-    total = r.sum()
-    return r / total if total > RESIDUAL_FLOOR else p
+    """max(0, p - q), what a rejection must be resampled from (p where that mass vanishes);
+    the draw normalizes."""
+    r = (p - q).clamp_min_(0)
+    return r if float(r.sum(dtype=torch.float64)) > RESIDUAL_FLOOR else p
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One exact draw from a probability row (one random number, as `sample` uses)."""
-    return int(inverse_cdf_draw(probs[None], generator)[0])
+def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:
+    """One exact draw from a row of nonnegative weights (one random number, as `sample` uses)."""
+    return int(inverse_cdf_draw(weights[None], generator)[0])
