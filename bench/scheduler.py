@@ -1,10 +1,13 @@
 """Verify scheduling arms on the shared eval prompts, at several concurrencies and temperatures.
 
-SmolLM2-135M-Instruct in the served plan, `--prompts` prompts from each of the four eval
-sets (../shared/eval-prompts), `--max-tokens` new tokens each, a closed loop of C
-concurrent requests inside one engine (a new request joins as soon as one finishes; the
-engine streams every token; no HTTP, which bench/serve_load.py measures), every arm in
-the same run, at T = 0 and T = 1 (the model's top-p 0.9 at T = 1 too):
+A catalog model (`--model`, default SmolLM2-135M-Instruct) in the served plan, `--prompts`
+prompts from each of the four eval sets (../shared/eval-prompts; through the chat template
+where the model has one, as completions for a base model), `--max-tokens` new tokens each,
+a closed loop of C concurrent requests inside one engine (a new request joins as soon as
+one finishes; the engine streams every token; no HTTP, which bench/serve_load.py
+measures), every arm in the same run, at T = 0 and T = 1 (at T > 0 the rest of the
+model's recommended sampling too, what a request that sets only the temperature gets:
+SmolLM2's top-p 0.9, Gemma 3's top-k 64 and top-p 0.95):
 
     none              no speculation
     ngram             n-gram lookup, the per-row cost policy (verispec's default for n-gram)
@@ -15,8 +18,9 @@ the same run, at T = 0 and T = 1 (the model's top-p 0.9 at T = 1 too):
                       policy (what `verispec serve` runs today)
     dspark-strict     the shipped drafter, Algorithm 1 strict
     dspark-production the shipped drafter, Algorithm 1 production form
-    composite-production  the shipped drafter and n-gram for every row, the better candidate
-                      each round (drafting/composite.py), Algorithm 1 production form
+    composite-strict  the shipped drafter and n-gram for every row, the better candidate
+                      each round (drafting/composite.py), Algorithm 1 strict (served)
+    composite-production  the same, Algorithm 1 production form
 
 Reported per arm, concurrency and temperature: aggregate tok/s (all generated tokens over
 the run's wall time), per-stream tok/s (a request's tokens over its own decode time,
@@ -27,6 +31,7 @@ CPU it ran on.
 
     .venv/bin/python bench/scheduler.py                       # 2 prompts per set, 96 tokens
     .venv/bin/python bench/scheduler.py --prompts 12 --max-tokens 192 --arms none,ngram,dspark-strict
+    .venv/bin/python bench/scheduler.py --model gemma3-270m --arms none,ngram-strict,dspark-strict,composite-strict
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ARMS = ("none", "ngram", "ngram-strict", "ngram-production", "dspark-fixed3", "dspark-fixed7", "dspark-threshold",
-        "dspark-strict", "dspark-production", "composite-production")
+        "dspark-strict", "dspark-production", "composite-strict", "composite-production")
 
 
 def make_arm(loaded, arm: str):
@@ -102,6 +107,7 @@ def closed_loop(engine, prompts: list[list[int]], concurrency: int, max_tokens: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", "-m", default="smollm2-135m-instruct", help="catalog model (default %(default)s)")
     ap.add_argument("--prompts", type=int, default=2, help="prompts per eval set (four sets)")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--concurrency", default="1,4,8,16")
@@ -118,7 +124,12 @@ def main() -> None:
     from verispec.models.kernel_plan import cpu_name
     from verispec.models.loader import load_for_serving
 
-    loaded = load_for_serving("smollm2-135m-instruct", progress=False)
+    from verispec.models.registry import REGISTRY
+
+    if args.model not in REGISTRY:
+        raise SystemExit(f"unknown model {args.model!r}; the catalog has {', '.join(REGISTRY)}")
+    loaded = load_for_serving(args.model, progress=False)
+    recommended = dict(REGISTRY[args.model].sampling)
     prompts = workloads(loaded.tokenizer, args.prompts, ["eval"])["eval"]
     arms = args.arms.split(",")
     unknown = set(arms) - set(ARMS)
@@ -129,7 +140,7 @@ def main() -> None:
         closed_loop(engine, prompts[:1], 1, 8, SamplingParams())
     rows = []
     for temperature in [float(t) for t in args.temperatures.split(",")]:
-        params = SamplingParams() if temperature == 0 else SamplingParams(temperature=temperature, top_p=0.9)
+        params = SamplingParams() if temperature == 0 else SamplingParams(**{**recommended, "temperature": temperature})
         for c in [int(x) for x in args.concurrency.split(",")]:
             base = None
             for arm, engine in engines.items():  # interleaved: every arm at this point before the next
@@ -141,13 +152,13 @@ def main() -> None:
                 if row["temperature"] == temperature and row["concurrency"] == c and base:
                     row["vs_none"] = round(row["agg_tok_s"] / base, 3)
     plan = getattr(loaded.model, "kernel_plan", None)
-    print(f"\nSmolLM2-135M-Instruct ({plan.describe() if plan else 'PyTorch kernels'}), {len(prompts)} eval prompts, "
+    print(f"\n{args.model} ({plan.describe() if plan else 'PyTorch kernels'}), {len(prompts)} eval prompts, "
           f"max_tokens {args.max_tokens}, closed loop per concurrency, {args.threads} threads on {cpu_name()}")
     print(f"{'T':>3}{'conc':>5} {'arm':<19}{'agg tok/s':>10}{'vs none':>8}{'stream':>8}{'tau':>6}{'verify/rnd':>11}")
     for r in rows:
         print(f"{r['temperature']:>3.0f}{r['concurrency']:>5} {r['arm']:<19}{r['agg_tok_s']:>10.1f}"
               f"{r.get('vs_none', 0):>7.2f}x{r['stream_tok_s']:>8.1f}{r['tau']:>6.2f}{r['verify_per_round']:>11.2f}")
-    print(json.dumps({"bench": "scheduler", "cpu": cpu_name(), "threads": args.threads, "prompts": len(prompts),
+    print(json.dumps({"bench": "scheduler", "model": args.model, "cpu": cpu_name(), "threads": args.threads, "prompts": len(prompts),
                       "max_tokens": args.max_tokens, "rows": rows}))
     _plot(rows, Path(args.png))
 

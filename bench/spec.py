@@ -72,10 +72,10 @@ def truncated_drafter(folder: Path, layers: int, out: Path) -> Path:
 
 def workloads(tokenizer, n: int, names, max_prompt_tokens: int = 512) -> dict[str, list[list[int]]]:
     from verispec.data.sharegpt import conversations, first_user_turns
-    from verispec.models.tokenizer import encode_chat
+    from verispec.models.tokenizer import encode_user_text
 
-    def chat(text):
-        return encode_chat(tokenizer, [{"role": "user", "content": text}])
+    def chat(text):  # the chat template where the model has one; a base model continues the text
+        return encode_user_text(tokenizer, text)
 
     out = {}
     if "eval" in names:

@@ -123,6 +123,60 @@ def test_top_k_keeps_ties_like_hf():
     assert torch.isfinite(ours).sum() == 4
 
 
+WIDE_TOP_K_PARAMS = [
+    SamplingParams(temperature=1.0, top_k=64, top_p=0.95),  # Gemma 3's recommended sampling
+    SamplingParams(temperature=0.7, top_k=1),
+    SamplingParams(temperature=1.3, top_k=300, min_p=0.05),
+    SamplingParams(temperature=0.5, top_k=40, top_p=0.5, repetition_penalty=1.3),
+    SamplingParams(temperature=1.0, top_k=1024, logit_bias={7: 30.0, 9: -100.0}),
+]
+
+
+@pytest.mark.parametrize("vocab", [65_536, 50_021])  # a block path, and widths no block divides
+def test_small_top_k_rows_warped_on_their_candidates_match_hf(monkeypatch, vocab):
+    """Rows that all set a small top-k are warped on their candidates alone
+    (sampling._warp_top_k_candidates); on a vocabulary wider than SPARSE_TOP_K that path
+    must run, every row alone and batched, and give HF's chain exactly."""
+    taken = []
+    original = sampling._warp_top_k_candidates
+    monkeypatch.setattr(sampling, "_warp_top_k_candidates",
+                        lambda values, params: taken.append(1) or original(values, params))
+    logits = random_logits(len(WIDE_TOP_K_PARAMS), vocab=vocab, scale=4.0, seed=vocab)
+    prompts = [random_history(30, vocab=vocab, seed=row) for row in range(len(WIDE_TOP_K_PARAMS))]
+    outputs = [random_history(9, vocab=vocab, seed=50 + row) for row in range(len(WIDE_TOP_K_PARAMS))]
+    batched = process_logits(logits, WIDE_TOP_K_PARAMS, prompts, outputs)
+    for row, params in enumerate(WIDE_TOP_K_PARAMS):
+        expected = hf_chain(logits[row], params, prompts[row], outputs[row])
+        assert_same_rows(batched[row], expected)
+        alone = process_logits(logits[row : row + 1], [params], [prompts[row]], [outputs[row]])
+        assert_same_rows(alone[0], expected)
+    assert len(taken) == 1 + len(WIDE_TOP_K_PARAMS)
+
+
+@pytest.mark.parametrize("vocab", [4_096 * 8, 4_099])
+def test_top_k_ties_beyond_the_candidates_keep_hf_semantics(vocab):
+    """Ties with the k-th value are all kept (HF): with 100 tokens tied just below the top
+    5 and top_k 10, all 105 survive, though the candidates hold only 10."""
+    logits = torch.full((1, vocab), -2.0)
+    logits[0, torch.arange(5) * 97] = torch.tensor([9.0, 8.0, 7.0, 6.0, 5.0])
+    tied = torch.arange(100) * 31 + 3
+    logits[0, tied] = 1.0
+    params = SamplingParams(temperature=0.9, top_k=10)
+    ours = process_logits(logits, [params])
+    assert_same_rows(ours[0], TopKLogitsWarper(10)(None, TemperatureLogitsWarper(0.9)(None, logits))[0])
+    assert int(torch.isfinite(ours).sum()) == 105
+
+
+@pytest.mark.parametrize("vocab,k", [(262_144, 64), (262_144, 256), (65_536, 1024), (49_152, 64), (1_000, 3)])
+def test_largest_finds_the_same_values_as_topk(vocab, k):
+    logits = random_logits(3, vocab=vocab, scale=2.0, seed=k)
+    values, columns = sampling._largest(logits, k)
+    expected = torch.topk(logits, k, dim=-1)
+    assert torch.equal(values, expected.values)
+    assert torch.equal(logits.gather(1, columns), values)
+    assert all(len(set(row)) == k for row in columns.tolist())
+
+
 # Candidate sizes that exercise every top-p path: the default (candidates found),
 # none at all (always a full sort), a size too small to hold the nucleus (fallback).
 @pytest.mark.parametrize("candidates", [sampling.TOP_P_CANDIDATES, (), (2,)])

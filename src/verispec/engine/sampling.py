@@ -33,6 +33,11 @@ Processing order (``process_logits``)
 6. top-p                    -- keeps the smallest high-probability set with mass >= p.
 7. min-p                    -- drops tokens below ``min_p * max prob``.
 
+Rows that all set a small top-k (at most ``SPARSE_TOP_K``, as Gemma 3's recommended 64) run
+temperature, top-p and min-p on their top-k candidates alone, found through block maxima
+(``_largest``), and the rest of the row is ``-inf``: the same result without a pass over the
+vocabulary per stage (0.28 ms against 3.6 ms a row on Gemma's 262,144 tokens).
+
 Removed tokens are set to ``-inf``. The processed row is what sampling uses, and
 ``softmax(processed row)`` is the distribution it draws from (:func:`sampling_probs`
 returns it, with a point mass at the argmax for greedy rows), so speculative
@@ -70,7 +75,6 @@ __all__ = [
     "process_logits",
     "sample",
     "sampling_probs",
-    "softmax_weights",
     "token_logprobs",
 ]
 
@@ -238,6 +242,12 @@ def process_logits(
     if grammar_mask is None and all(p._noop for p in params):
         return logits.float()
 
+    if grammar_mask is None and _all_top_k_candidates(params, logits.shape[1]) \
+            and not any(p.has_bias or p.has_penalties for p in params):
+        # nothing edits the row before top-k: read the logits as they are, write a new row
+        warped = _warp_top_k_candidates(logits.float(), params)
+        if warped is not None:
+            return torch.full(logits.shape, -math.inf, dtype=torch.float32, device=logits.device).scatter_(1, *warped)
     scores = logits.to(torch.float32, copy=True)
     _apply_logit_bias(scores, params)
     _apply_penalties(scores, params, prompt_histories, output_histories)
@@ -339,12 +349,85 @@ def _apply_warpers(scores: torch.Tensor, params: Sequence[SamplingParams]) -> No
     chosen = [params[row] for row in rows]
     sub = _RowSubset(scores, rows)
     values = sub.values
+    if _all_top_k_candidates(chosen, values.shape[1]):
+        warped = _warp_top_k_candidates(values, chosen)
+        if warped is not None:
+            sub.store(torch.full_like(values, -math.inf).scatter_(1, *warped))
+            return
     if any(p.temperature != 1.0 for p in chosen):
         values = values / _row_column([p.temperature for p in chosen], scores)
     values = _top_k(values, [p.top_k for p in chosen])
     values = _top_p(values, [p.top_p for p in chosen])
     values = _min_p(values, [p.min_p for p in chosen])
     sub.store(values)
+
+
+# Rows that all keep at most this many tokens (top-k) are warped on their candidates alone.
+SPARSE_TOP_K = 1024
+
+
+def _all_top_k_candidates(params: Sequence[SamplingParams], width: int) -> bool:
+    return width > SPARSE_TOP_K and all(not p._greedy and 0 < p.top_k <= SPARSE_TOP_K for p in params)
+
+
+def _warp_top_k_candidates(values: torch.Tensor, params: Sequence[SamplingParams]
+                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Temperature, top-k, top-p and min-p for rows that all set a small top-k, computed on
+    the largest top-k candidates instead of the whole vocabulary: every other token is -inf
+    after top-k, so it has probability 0 in top-p's and min-p's softmax and changes nothing.
+    The same stages run in the same order on those columns: (their columns, their warped
+    values), to scatter into a row of -inf. On Gemma's 262,144 tokens with its recommended top-k 64 and top-p
+    0.95 the full-width path cost 3.6 ms a row (two full top-ks, a full softmax, full-width
+    masks); this costs one top-k. None when a token outside the candidates ties a row's
+    k-th value (top-k keeps ties, as HF does): then the full-width path runs."""
+    top_ks = [p.top_k for p in params]
+    found = _largest(values, max(top_ks), top_ks)
+    if found is None:
+        return None
+    candidates, indices = found
+    if any(p.temperature != 1.0 for p in params):
+        candidates = candidates / _row_column([p.temperature for p in params], values)
+    candidates = _top_k(candidates, top_ks)
+    candidates = _top_p(candidates, [p.top_p for p in params])
+    candidates = _min_p(candidates, [p.min_p for p in params])
+    return indices, candidates
+
+
+def _largest(values: torch.Tensor, k: int, top_ks: list[int] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(the k largest values of each row, largest first; their columns), like torch.topk.
+    With `top_ks`: None when a value outside them ties a row's top_ks[r]-th largest (top-k
+    keeps ties: the full-width path decides then).
+
+    Per row, through block maxima: the k-th largest block maximum m is a lower bound on the
+    k-th largest value (k blocks reach it), so every candidate lies in a block whose
+    maximum is >= m, and one top-k over those blocks finds them. On a 262,144-entry row
+    that is ~0.09 ms against torch.topk's ~0.44 ms (k 64). Rows too short for 16 k blocks
+    of a size that divides them take torch.topk and a full-width tie count."""
+    width = values.shape[1]
+    block = next((b for b in (256, 128, 64, 32, 16) if width % b == 0 and width // b >= 16 * k), None)
+    if block is None:
+        top = torch.topk(values, k, dim=-1)
+        if top_ks is not None:
+            kth = top.values.gather(1, torch.tensor(top_ks, device=values.device).sub_(1).unsqueeze(1))
+            if bool(((values >= kth).sum(dim=-1) > (top.values >= kth).sum(dim=-1)).any()):
+                return None
+        return top.values, top.indices
+    out_values = values.new_empty(values.shape[0], k)
+    out_columns = torch.empty(values.shape[0], k, dtype=torch.long, device=values.device)
+    for r in range(values.shape[0]):
+        blocks = values[r].view(-1, block)
+        maxima = blocks.amax(dim=-1)
+        chosen = (maxima >= torch.topk(maxima, k).values[-1]).nonzero().squeeze(1)
+        pool = blocks.index_select(0, chosen).flatten()
+        top = torch.topk(pool, k)
+        if top_ks is not None:
+            kth = top.values[top_ks[r] - 1]
+            if int((pool >= kth).sum()) > int((top.values >= kth).sum()):
+                return None  # every value >= kth is in the pool: outside it no block reaches m <= kth
+        out_values[r] = top.values
+        out_columns[r] = chosen[top.indices // block] * block + top.indices % block
+    return out_values, out_columns
 
 
 def _top_k(values: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
@@ -393,18 +476,16 @@ def _top_p_rows(values: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     vocab_size = values.shape[1]
     drop_mass = _row_column([1.0 - p for p in top_ps], values)
     probs = values.softmax(dim=-1)
-    # Tokens an earlier stage (top-k) removed have probability 0: never candidates.
-    survivors = int((values > -math.inf).sum(dim=-1).max())
-    for size in sorted({survivors, *TOP_P_CANDIDATES}):
+    for size in TOP_P_CANDIDATES:
         if size >= vocab_size:
             continue
-        top = torch.topk(values, size, dim=-1)
-        candidate_probs = probs.gather(1, top.indices).flip(-1)  # ascending
+        top_values, top_indices = _largest(values, size)
+        candidate_probs = probs.gather(1, top_indices).flip(-1)  # ascending
         rest_mass = probs.sum(dim=-1, keepdim=True) - candidate_probs.sum(dim=-1, keepdim=True)
         if bool((rest_mass <= drop_mass).all()):
             remove = _top_p_remove_sorted(candidate_probs, drop_mass, rest_mass).flip(-1)
             kept = torch.full_like(values, -math.inf)
-            return kept.scatter_(1, top.indices, top.values.masked_fill(remove, -math.inf))
+            return kept.scatter_(1, top_indices, top_values.masked_fill(remove, -math.inf))
     sorted_values, sorted_indices = torch.sort(values, descending=False)
     remove_sorted = _top_p_remove_sorted(sorted_values.softmax(dim=-1), drop_mass)
     remove = remove_sorted.scatter(1, sorted_indices, remove_sorted)
@@ -520,17 +601,11 @@ def sample(
 
     for generator, rows in rows_by_generator.values():
         index = torch.tensor(rows, device=processed.device)
-        weights = softmax_weights(processed.index_select(0, index).float())
-        tokens.index_copy_(0, index, inverse_cdf_draw(weights, generator))
+        # torch's softmax, not exp(x - max): its exp stays fast where most of a row underflows
+        # (top-k's -inf, a low temperature), where torch.exp took 3-30x longer (stage 10)
+        probs = processed.index_select(0, index).float().softmax(dim=-1)
+        tokens.index_copy_(0, index, inverse_cdf_draw(probs, generator))
     return tokens
-
-
-def softmax_weights(processed: torch.Tensor) -> torch.Tensor:
-    """``exp(row - row max)``: softmax's numerators, the same distribution once normalized.
-    A draw needs no normalization (it scales its uniform by the total instead). Modifies
-    ``processed`` in place when it is float32: pass a copy you own."""
-    scores = processed if processed.dtype == torch.float32 else processed.float()
-    return scores.sub_(scores.amax(dim=-1, keepdim=True)).exp_()
 
 
 # Entries per block of the two-level CDF below: on Gemma's 262,144-entry rows a float64

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.engine.sampling import SamplingParams, inverse_cdf_draw, sample, softmax_weights
+from verispec.engine.sampling import SamplingParams, inverse_cdf_draw, sample
 
 # q(x) below this is treated as this: a token the draft could (numerically) not have
 # drawn is accepted only with probability p / 1e-10, i.e. always when p is not tiny
@@ -108,19 +108,18 @@ def _verify_by_matching(processed, rows: list[VerifyRow], spans) -> list[tuple[i
 def speculative_sample(processed: torch.Tensor, row: VerifyRow) -> tuple[int, int]:
     """Standard speculative sampling for one sampled row: processed [k + 1, V], row.q [k, V].
 
-    Positions are normalized only as far as they are reached: position j's p is needed only
-    if drafts 0..j-1 were kept, and at T=1 most rounds stop at the first. Each reached
-    position costs one pass over the vocabulary (262,144 entries on Gemma); the residual
-    one more, on the rejected position only."""
+    p is computed only as far as positions are reached: position j's is needed only if
+    drafts 0..j-1 were kept, and at T=1 most rounds stop at the first. Each reached position
+    costs one softmax over the vocabulary (262,144 entries on Gemma); the residual one more
+    pass, on the rejected position only."""
     k = len(row.drafts)
     u = torch.rand(k, generator=row.generator, dtype=torch.float64).tolist() if k else []
     for j, draft in enumerate(row.drafts):
-        weights = softmax_weights(processed[j].float().clone())
-        total = float(weights.sum(dtype=torch.float64))
+        p = processed[j].float().softmax(dim=-1)
         q = row.q[j]
-        if not u[j] < float(weights[draft]) / total / max(float(q[draft]), Q_FLOOR):
-            return j, _draw(residual(weights.div_(total), q.to(weights.device, torch.float32)), row.generator)
-    return k, _draw(softmax_weights(processed[k].float().clone()), row.generator)
+        if not u[j] < float(p[draft]) / max(float(q[draft]), Q_FLOOR):
+            return j, _draw(residual(p, q.to(p.device, torch.float32)), row.generator)
+    return k, _draw(processed[k].float().softmax(dim=-1), row.generator)
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
