@@ -130,14 +130,14 @@ def test_a_paid_source_is_asked_only_where_the_free_candidates_offer_less_than_i
 
 
 def test_a_paid_source_is_asked_only_where_it_gains_more_than_its_round_costs():
-    """The model's drafts are expected to gain G = 0.9; its round costs c = 0.5 target steps.
-    Asking it pays where G > O + c (1 + O), O the lookup's offer: not on row 1 (O = 0.5 needs
-    G > 1.25), on row 2 (nothing offered: G > 0.5). Row 1 then asks it only on its probe
-    rounds (the 1st and 33rd), and the engine's draft length policy is charged only the
-    lookup's (nothing), not the model's round."""
+    """The model's drafts are expected to gain G = 0.9; its round costs c = 0.3 target steps.
+    In a step of B = 2 drafting rows asking it pays where G > O + c (B + O), O the lookup's
+    offer: not on row 1 (O = 0.5 needs G > 1.25), on row 2 (nothing offered: G > 0.6). Row 1
+    then asks it only on its probe rounds (the 1st and 33rd), and the engine's draft length
+    policy is charged only the lookup's (nothing), not the model's round."""
     weak, model = Draft([4]), Draft([5, 6], confidence=[0.6, 0.5])
     free = _Scripted("lookup", True, {1: weak})
-    paid = _Scripted("model", False, {1: model, 2: model}, cost=0.5)
+    paid = _Scripted("model", False, {1: model, 2: model}, cost=0.3)
     provider = CompositeProvider([paid, free])
     assert provider.draft_costs(None) == (0.0, 0.0)
     sources = [provider.new_source(SourceContext([row], [], SamplingParams(), 64)) for row in (1, 2)]
@@ -157,6 +157,21 @@ def test_a_paid_source_is_asked_only_where_it_gains_more_than_its_round_costs():
     for _ in range(8):
         steep.draft_batch([(row, 0, 4)])
     assert steep.providers[0].asked == [2] and steep.stats()["asked"]["model"] == 1
+    # the same round in a step of 8 drafting rows delays 8 tokens: G = 0.9 < c B = 2.4, so
+    # each row asks only on its own probe rounds (its 1st and 33rd)
+    crowd_paid = _Scripted("model", False, {2: model}, cost=0.3)
+    crowd = CompositeProvider([crowd_paid, _Scripted("lookup", True, {})])
+    crowd.draft_costs(None)
+    rows = [crowd.new_source(SourceContext([2], [], SamplingParams(), 64)) for _ in range(8)]
+    for _ in range(40):
+        crowd.draft_batch([(r, 0, 4) for r in rows])
+    assert crowd.stats()["asked"]["model"] == 2 * 8
+    alone = CompositeProvider([_Scripted("model", False, {2: model}, cost=0.3), _Scripted("lookup", True, {})])
+    alone.draft_costs(None)
+    row = alone.new_source(SourceContext([2], [], SamplingParams(), 64))
+    for _ in range(40):
+        alone.draft_batch([(row, 0, 4)])
+    assert alone.stats()["asked"]["model"] == 40  # alone: 0.9 > 0.3
     # free-only composites are charged nothing; paid-only ones their sources' sum
     both_paid = CompositeProvider([_Scripted("a", False, {}, cost=0.5), _Scripted("b", False, {}, cost=0.25)])
     assert both_paid.draft_costs(None) == (0.75, 0.0)

@@ -34,11 +34,15 @@ forward over the step's B rows plus about one draft more than the candidate is e
 to keep (the first rejected one), from the engine's measured step costs s, plus the paid
 round's own cost c (single-token target steps). The source is asked where
 
-    (1 + G) / (s(B + m_G) + c)  >  (1 + O) / s(B + m_O),   m = min(draft length, gain + 1)
+    (B + G) / (s(B + m_G) + c)  >  (B + O) / s(B + m_O),   m = min(draft length, gain + 1)
 
-(this row's tokens per unit of time; the step's other rows count in its cost, not its
-output, which is conservative), and on a row's first round and every `PROBE_EVERY`-th
-after it, so G keeps learning. The engine's draft length policy is charged the free
+(the step's tokens per unit of time: each of its B rows emits one, this row its gain on
+top; the other rows' gains are left out, which leans towards asking), and on a row's first
+round and every `PROBE_EVERY`-th after it, so G keeps learning. With flat step costs that
+is G > O + c (B + O): a round that pays on one row must gain B times as much on B, since it
+delays every row's token. Counting this row's tokens alone (the rule before stage 10 of
+docs/dspark-campaign.md) asked the drafter on most rows of a 4-16-row batch, where
+bench/scheduler.py measured the composite at 0.62-0.92x no speculation on gemma3-270m. The engine's draft length policy is charged the free
 sources only (`draft_costs`): a paid round's cost is this rule's to weigh, not a reason
 to shorten the lookup's drafts on rows where the model is never asked. On text that
 repeats itself the lookup's long, sure drafts win and the model's round is not paid.
@@ -202,7 +206,8 @@ class CompositeProvider(DraftProvider):
     def _worth_asking(self, i: int, offered: tuple[float, int], source: CompositeSource, n: int, batch: int) -> bool:
         """Ask paid source i for n drafts on this row if a step verifying drafts like its
         recent ones is expected to emit more per second, its round included, than one
-        verifying what is already offered (`offered`: expected gain, length)."""
+        verifying what is already offered (`offered`: expected gain, length). The step's
+        other rows count in both: the round delays their tokens too."""
         expected = self.gains[i].get(source.context.params.is_greedy)
         if expected is None:
             return True
@@ -214,8 +219,9 @@ class CompositeProvider(DraftProvider):
             return (s(batch + drafts) + paid) / base
 
         gain, length = offered
-        return (1.0 + expected) / step(min(n, expected + 1.0), fixed + per_token * n) > \
-            (1.0 + gain) / step(min(length, gain + 1.0))
+        # the step's tokens: one from each of its rows, plus this row's expected gain
+        return (batch + expected) / step(min(n, expected + 1.0), fixed + per_token * n) > \
+            (batch + gain) / step(min(length, gain + 1.0))
 
     def _gain(self, draft: Draft, source: CompositeSource) -> tuple[float, float]:
         """(the draft's expected number of accepted tokens, its key in the pick): the same for
