@@ -375,11 +375,12 @@ def _warp_top_k_candidates(values: torch.Tensor, params: Sequence[SamplingParams
     """Temperature, top-k, top-p and min-p for rows that all set a small top-k, computed on
     the largest top-k candidates instead of the whole vocabulary: every other token is -inf
     after top-k, so it has probability 0 in top-p's and min-p's softmax and changes nothing.
-    The same stages run in the same order on those columns: (their columns, their warped
-    values), to scatter into a row of -inf. On Gemma's 262,144 tokens with its recommended top-k 64 and top-p
-    0.95 the full-width path cost 3.6 ms a row (two full top-ks, a full softmax, full-width
-    masks); this costs one top-k. None when a token outside the candidates ties a row's
-    k-th value (top-k keeps ties, as HF does): then the full-width path runs."""
+    The same stages run in the same order on those columns. Returns (their columns, their
+    warped values), to scatter into a row of -inf. On Gemma's 262,144 tokens with its
+    recommended top-k 64 and top-p 0.95 the full-width path cost 3.6 ms a row (two full
+    top-ks, a full softmax, full-width masks); this costs one top-k. None when a token
+    outside the candidates ties a row's k-th value (top-k keeps ties, as HF does): then the
+    full-width path runs."""
     top_ks = [p.top_k for p in params]
     found = _largest(values, max(top_ks), top_ks)
     if found is None:
@@ -622,9 +623,9 @@ def inverse_cdf_draw(weights: torch.Tensor, generator: torch.Generator, block: i
     It needs one random number per row where ``torch.multinomial`` or an exponential race
     needs one per vocabulary entry. The CDF has two levels: the sums of blocks of ``block``
     entries, accumulated in float64, pick the block, and a float64 cumsum inside that block
-    picks the entry, so no entry's chance is rounded away. An entry of
-    weight 0 is never chosen: the CDF does not rise at it, and where rounding leaves the
-    target past the chosen block's own sum the block's last positive entry is taken.
+    picks the entry, so no entry's chance is rounded away. An entry of weight 0 is never
+    chosen: the CDF does not rise at it, and where rounding leaves the target past the
+    chosen block's own sum the block's last positive entry is taken.
     """
     rows, width = weights.shape
     whole = width // block * block

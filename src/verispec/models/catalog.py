@@ -156,8 +156,9 @@ REGISTRY: dict[str, CatalogEntry] = {
         # google/gemma-3-270m's generation_config.json (do_sample, top_k 64, top_p 0.95) and
         # Google's recommended temperature 1.0
         sampling=(("temperature", 1.0), ("top_k", 64), ("top_p", 0.95)),
-        # bench matrix, full run 2026-12-02 (AMD EPYC, AVX2): n-gram 1.74-1.86x no speculation
-        # serial and 0.97-1.10x on 4 and 8 streams; no DSpark drafter ships for it yet
+        # bench/scheduler.py --model gemma3-270m, mean over T 0/1 (recommended top-k/top-p) and
+        # 1-16 streams, AMD EPYC, 2026-12-04: n-gram 1.11x no speculation, the composite with
+        # the shipped DSpark drafter 1.04x, the drafter alone 0.97x (README, "Speculation by default")
         speculation="ngram",
     ),
 }
