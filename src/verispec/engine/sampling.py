@@ -586,27 +586,34 @@ def sample(
     greedy = [p._greedy for p in params]
     if all(greedy):
         return processed.argmax(dim=-1)
-    # argmax costs about as much as a draw on CPU: run it only where it is needed.
-    if any(greedy):
-        tokens = processed.argmax(dim=-1)
-    else:
-        tokens = torch.empty(processed.shape[0], dtype=torch.long, device=processed.device)
-
     rows_by_generator: dict[int, tuple[torch.Generator, list[int]]] = {}
+    sampled: list[int] = []
     for row, (p, generator) in enumerate(zip(params, generators)):
         if p._greedy:
             continue
         if generator is None:
             raise ValueError(f"row {row} samples (temperature {p.temperature}) but has no generator")
         rows_by_generator.setdefault(id(generator), (generator, []))[1].append(row)
+        sampled.append(row)
 
+    # Each generator gives its rows' uniforms in one call, in row order (what makes a seeded
+    # request independent of its batch mates); then one softmax and one draw for all rows: a
+    # step of 8 sampled rows of 262,144 logits spent 3.4 ms in eight separate ones.
+    place = {row: i for i, row in enumerate(sampled)}
+    u = torch.empty((len(sampled), 1), dtype=torch.float64)
     for generator, rows in rows_by_generator.values():
-        index = torch.tensor(rows, device=processed.device)
-        # torch's softmax, not exp(x - max): its exp stays fast where most of a row underflows
-        # (top-k's -inf, a low temperature), where torch.exp took 3-30x longer (stage 10)
-        probs = processed.index_select(0, index).float().softmax(dim=-1)
-        tokens.index_copy_(0, index, inverse_cdf_draw(probs, generator))
-    return tokens
+        drawn = torch.rand((len(rows), 1), generator=generator, dtype=torch.float64, device=generator.device)
+        u[[place[row] for row in rows]] = drawn.cpu()
+    everyone = len(sampled) == processed.shape[0]
+    index = None if everyone else torch.tensor(sampled, device=processed.device)
+    # torch's softmax, not exp(x - max): its exp stays fast where most of a row underflows
+    # (top-k's -inf, a low temperature), where torch.exp took 3-30x longer (stage 10)
+    probs = (processed if everyone else processed.index_select(0, index)).float().softmax(dim=-1)
+    drawn_tokens = inverse_cdf_draw(probs, uniforms=u)
+    if everyone:
+        return drawn_tokens
+    # argmax costs about as much as a draw on CPU: run it only where it is needed.
+    return processed.argmax(dim=-1).index_copy_(0, index, drawn_tokens)
 
 
 # Entries per block of the two-level CDF below: on Gemma's 262,144-entry rows a float64
@@ -615,9 +622,11 @@ def sample(
 DRAW_BLOCK = 1024
 
 
-def inverse_cdf_draw(weights: torch.Tensor, generator: torch.Generator, block: int = DRAW_BLOCK) -> torch.Tensor:
+def inverse_cdf_draw(weights: torch.Tensor, generator: torch.Generator | None = None, block: int = DRAW_BLOCK,
+                     uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """One exact draw per row of ``weights`` (nonnegative, any positive total) from a
-    single uniform per row.
+    single uniform per row: ``uniforms`` ([rows, 1] float64 in [0, 1)) when given, else
+    drawn from ``generator``.
 
     Inverse CDF: the token is the first index whose cumulative weight exceeds ``u * total``.
     It needs one random number per row where ``torch.multinomial`` or an exponential race
@@ -636,7 +645,8 @@ def inverse_cdf_draw(weights: torch.Tensor, generator: torch.Generator, block: i
         sums = torch.cat([sums, weights[:, whole:].sum(dim=-1, keepdim=True)], dim=1)
     cdf = sums.double().cumsum_(dim=-1)
     total = cdf[:, -1:]
-    u = torch.rand((rows, 1), generator=generator, dtype=torch.float64, device=generator.device)
+    u = uniforms if uniforms is not None else \
+        torch.rand((rows, 1), generator=generator, dtype=torch.float64, device=generator.device)
     # Keep the target strictly below the total, so some block always exceeds it.
     target = torch.minimum(u.to(weights.device) * total, torch.nextafter(total, torch.zeros_like(total)))
     chosen = torch.searchsorted(cdf, target, right=True).clamp_max_(cdf.shape[1] - 1)
