@@ -157,8 +157,8 @@ REGISTRY: dict[str, CatalogEntry] = {
         # Google's recommended temperature 1.0
         sampling=(("temperature", 1.0), ("top_k", 64), ("top_p", 0.95)),
         # bench/scheduler.py --model gemma3-270m, mean over T 0/1 (recommended top-k/top-p) and
-        # 1-16 streams, AMD EPYC, 2026-12-04: n-gram 1.11x no speculation, the composite with
-        # the shipped DSpark drafter 1.04x, the drafter alone 0.97x (README, "Speculation by default")
+        # 1-16 streams, AMD EPYC, 2026-12-04: n-gram 1.12x no speculation, the composite with
+        # the shipped DSpark drafter 1.06x, the drafter alone 0.97x (README, "Speculation by default")
         speculation="ngram",
     ),
 }
