@@ -153,6 +153,38 @@ def test_small_top_k_rows_warped_on_their_candidates_match_hf(monkeypatch, vocab
     assert len(taken) == 1 + len(WIDE_TOP_K_PARAMS)
 
 
+WIDE_TOP_P_PARAMS = [
+    SamplingParams(temperature=0.2, top_p=0.9),  # SmolLM2's recommended sampling
+    SamplingParams(temperature=1.0, top_p=0.5),
+    SamplingParams(temperature=0.7, top_p=0.95, min_p=0.1),
+    SamplingParams(temperature=0.6, top_p=0.8, presence_penalty=0.5, logit_bias={3: 5.0}),
+]
+
+
+@pytest.mark.parametrize("vocab", [65_536, 50_021])
+def test_top_p_rows_warped_on_their_candidates_match_hf(monkeypatch, vocab):
+    """Rows that all set top-p and no top-k are warped on their TOP_P_CANDIDATES most likely
+    tokens when those hold every row's nucleus (sampling._warp_top_p_candidates, with a
+    logsumexp of its own); spiky rows as a language model's: that path must run and give
+    HF's chain, batched and alone."""
+    taken = []
+    original = sampling._warp_top_p_candidates
+    monkeypatch.setattr(sampling, "_warp_top_p_candidates",
+                        lambda values, params: taken.append(original(values, params)) or taken[-1])
+    rows = len(WIDE_TOP_P_PARAMS)
+    logits = random_logits(rows, vocab=vocab, scale=2.0, seed=vocab)
+    spikes = torch.randint(0, vocab, (rows, 30), generator=torch.Generator().manual_seed(1))
+    logits.scatter_add_(1, spikes, torch.linspace(9.0, 3.0, 30).expand(rows, -1).contiguous())
+    prompts = [random_history(30, vocab=vocab, seed=row) for row in range(rows)]
+    outputs = [random_history(9, vocab=vocab, seed=50 + row) for row in range(rows)]
+    batched = process_logits(logits, WIDE_TOP_P_PARAMS, prompts, outputs)
+    for row, params in enumerate(WIDE_TOP_P_PARAMS):
+        expected = hf_chain(logits[row], params, prompts[row], outputs[row])
+        assert_same_rows(batched[row], expected)
+        assert_same_rows(process_logits(logits[row : row + 1], [params], [prompts[row]], [outputs[row]])[0], expected)
+    assert len(taken) == 1 + rows and all(result is not None for result in taken)
+
+
 @pytest.mark.parametrize("vocab", [4_096 * 8, 4_099])
 def test_top_k_ties_beyond_the_candidates_keep_hf_semantics(vocab):
     """Ties with the k-th value are all kept (HF): with 100 tokens tied just below the top

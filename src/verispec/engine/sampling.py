@@ -242,10 +242,10 @@ def process_logits(
     if grammar_mask is None and all(p._noop for p in params):
         return logits.float()
 
-    if grammar_mask is None and _all_top_k_candidates(params, logits.shape[1]) \
-            and not any(p.has_bias or p.has_penalties for p in params):
-        # nothing edits the row before top-k: read the logits as they are, write a new row
-        warped = _warp_top_k_candidates(logits.float(), params)
+    warp = _candidates_warp(params, logits.shape[1])
+    if grammar_mask is None and warp is not None and not any(p.has_bias or p.has_penalties for p in params):
+        # nothing edits the row before the warpers: read the logits as they are, write a new row
+        warped = warp(logits.float(), params)
         if warped is not None:
             return torch.full(logits.shape, -math.inf, dtype=torch.float32, device=logits.device).scatter_(1, *warped)
     scores = logits.to(torch.float32, copy=True)
@@ -349,8 +349,9 @@ def _apply_warpers(scores: torch.Tensor, params: Sequence[SamplingParams]) -> No
     chosen = [params[row] for row in rows]
     sub = _RowSubset(scores, rows)
     values = sub.values
-    if _all_top_k_candidates(chosen, values.shape[1]):
-        warped = _warp_top_k_candidates(values, chosen)
+    warp = _candidates_warp(chosen, values.shape[1])
+    if warp is not None:
+        warped = warp(values, chosen)
         if warped is not None:
             sub.store(torch.full_like(values, -math.inf).scatter_(1, *warped))
             return
@@ -366,8 +367,53 @@ def _apply_warpers(scores: torch.Tensor, params: Sequence[SamplingParams]) -> No
 SPARSE_TOP_K = 1024
 
 
-def _all_top_k_candidates(params: Sequence[SamplingParams], width: int) -> bool:
-    return width > SPARSE_TOP_K and all(not p._greedy and 0 < p.top_k <= SPARSE_TOP_K for p in params)
+def _candidates_warp(params: Sequence[SamplingParams], width: int):
+    """The warper that can run on a few candidates per row for all these rows, or None:
+    every row a small top-k, or every row a top-p without top-k."""
+    if any(p._greedy for p in params):
+        return None
+    if width > SPARSE_TOP_K and all(0 < p.top_k <= SPARSE_TOP_K for p in params):
+        return _warp_top_k_candidates
+    if TOP_P_CANDIDATES and width > TOP_P_CANDIDATES[0] and all(p.top_k == 0 and p.top_p < 1.0 for p in params):
+        return _warp_top_p_candidates
+    return None
+
+
+def _log_normalizer(values: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """logsumexp(values / temperatures) of each row, [N, 1], with one temporary row. Not
+    torch.logsumexp: its exp runs ~30x slower where results are subnormal (most of a row
+    at a low temperature); terms below e^-80 of the largest are taken as e^-80, at most
+    262,144 e^-80 ~ 5e-30 of the sum."""
+    largest = values.amax(dim=-1, keepdim=True)
+    terms = (values - largest).div_(temperatures).clamp_min_(-80.0).exp_()
+    return largest / temperatures + terms.sum(dim=-1, keepdim=True).log_()
+
+
+def _warp_top_p_candidates(values: torch.Tensor, params: Sequence[SamplingParams]
+                           ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Temperature, top-p and min-p for rows that all set top-p and no top-k, on their
+    `TOP_P_CANDIDATES` most likely tokens, when those hold the nucleus of every row (else
+    None: the full-width path). The softmax's normalizer comes from one logsumexp over the
+    row; the candidates' probabilities, HF's rule on them (the mass below them being all
+    the rest) and min-p need nothing else of the row. SmolLM2's recommended T 0.2 / top-p
+    0.9 cost ~0.4 ms a row on its 49,152 tokens through the full-width path (a copy, a
+    division, a softmax, a sum, a store per row): 7% of a decode step."""
+    width = values.shape[1]
+    temperatures = _row_column([p.temperature for p in params], values)
+    normalizer = _log_normalizer(values, temperatures)
+    drop_mass = _row_column([1.0 - p.top_p for p in params], values)
+    for size in TOP_P_CANDIDATES:
+        if size >= width:
+            break
+        found = _largest(values, size)
+        candidates = found[0] / temperatures
+        ascending = (candidates - normalizer).exp().flip(-1)
+        rest_mass = (1.0 - ascending.sum(dim=-1, keepdim=True)).clamp_min(0.0)
+        if bool((rest_mass <= drop_mass).all()):
+            remove = _top_p_remove_sorted(ascending, drop_mass, rest_mass).flip(-1)
+            kept = _min_p(candidates.masked_fill(remove, -math.inf), [p.min_p for p in params])
+            return found[1], kept
+    return None
 
 
 def _warp_top_k_candidates(values: torch.Tensor, params: Sequence[SamplingParams]
