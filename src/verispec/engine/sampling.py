@@ -463,7 +463,7 @@ def _largest(values: torch.Tensor, k: int, top_ks: list[int] | None = None
     out_values = values.new_empty(values.shape[0], k)
     out_columns = torch.empty(values.shape[0], k, dtype=torch.long, device=values.device)
     for r in range(values.shape[0]):
-        blocks = values[r].view(-1, block)
+        blocks = values[r].reshape(-1, block)  # a view where the row is contiguous
         maxima = blocks.amax(dim=-1)
         chosen = (maxima >= torch.topk(maxima, k).values[-1]).nonzero().squeeze(1)
         pool = blocks.index_select(0, chosen).flatten()
