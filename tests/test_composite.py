@@ -172,6 +172,18 @@ def test_a_paid_source_is_asked_only_where_it_gains_more_than_its_round_costs():
     for _ in range(40):
         alone.draft_batch([(row, 0, 4)])
     assert alone.stats()["asked"]["model"] == 40  # alone: 0.9 > 0.3
+    # a sampled row weighs the source's sampled round (a draw and q per slot): at 1.0 step
+    # G = 0.9 no longer pays there, while a greedy row, charged 0.3, asks every round
+    dearer = _Scripted("model", False, {2: model}, cost=0.3)
+    dearer.sampled_costs = (1.0, 0.0)
+    by_mode = CompositeProvider([dearer, _Scripted("lookup", True, {})])
+    by_mode.draft_costs(None)
+    greedy_row = by_mode.new_source(SourceContext([2], [], SamplingParams(), 64))
+    sampled_row = by_mode.new_source(SourceContext([2], [], SamplingParams(temperature=1.0), 64))
+    for _ in range(40):
+        by_mode.draft_batch([(greedy_row, 0, 4)])
+        by_mode.draft_batch([(sampled_row, 0, 4)])
+    assert by_mode.stats()["asked"]["model"] == 40 + 2  # the sampled row: its probe rounds alone
     # free-only composites are charged nothing; paid-only ones their sources' sum
     both_paid = CompositeProvider([_Scripted("a", False, {}, cost=0.5), _Scripted("b", False, {}, cost=0.25)])
     assert both_paid.draft_costs(None) == (0.75, 0.0)

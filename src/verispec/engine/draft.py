@@ -113,6 +113,8 @@ class DraftProvider:
     taps: tuple[int, ...] = ()  # target layers whose hidden states every source needs
     max_draft: int = MAX_DRAFT_TOKENS  # the most one round can propose
     free = False  # True: a round costs nothing worth counting (a lookup), so a composite asks it first
+    # a sampled row's round, where it costs otherwise than `draft_costs` (set by draft_costs)
+    sampled_costs: tuple[float, float] | None = None
 
     def new_source(self, context: SourceContext) -> DraftSource:
         raise NotImplementedError
