@@ -242,12 +242,11 @@ def process_logits(
     if grammar_mask is None and all(p._noop for p in params):
         return logits.float()
 
-    warp = _candidates_warp(params, logits.shape[1])
-    if grammar_mask is None and warp is not None and not any(p.has_bias or p.has_penalties for p in params):
+    if grammar_mask is None and not any(p.has_bias or p.has_penalties for p in params):
         # nothing edits the row before the warpers: read the logits as they are, write a new row
-        warped = warp(logits.float(), params)
+        warped = _warp_on_candidates(logits.float(), params)
         if warped is not None:
-            return torch.full(logits.shape, -math.inf, dtype=torch.float32, device=logits.device).scatter_(1, *warped)
+            return warped
     scores = logits.to(torch.float32, copy=True)
     _apply_logit_bias(scores, params)
     _apply_penalties(scores, params, prompt_histories, output_histories)
@@ -349,12 +348,10 @@ def _apply_warpers(scores: torch.Tensor, params: Sequence[SamplingParams]) -> No
     chosen = [params[row] for row in rows]
     sub = _RowSubset(scores, rows)
     values = sub.values
-    warp = _candidates_warp(chosen, values.shape[1])
-    if warp is not None:
-        warped = warp(values, chosen)
-        if warped is not None:
-            sub.store(torch.full_like(values, -math.inf).scatter_(1, *warped))
-            return
+    warped = _warp_on_candidates(values, chosen)
+    if warped is not None:
+        sub.store(warped)
+        return
     if any(p.temperature != 1.0 for p in chosen):
         values = values / _row_column([p.temperature for p in chosen], scores)
     values = _top_k(values, [p.top_k for p in chosen])
@@ -367,16 +364,22 @@ def _apply_warpers(scores: torch.Tensor, params: Sequence[SamplingParams]) -> No
 SPARSE_TOP_K = 1024
 
 
-def _candidates_warp(params: Sequence[SamplingParams], width: int):
-    """The warper that can run on a few candidates per row for all these rows, or None:
-    every row a small top-k, or every row a top-p without top-k."""
+def _warp_on_candidates(values: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor | None:
+    """The warped rows (float32, -inf outside the kept candidates) where every row can be
+    warped on a few candidates (every row a small top-k, or every row a top-p without
+    top-k), else None: the full-width path."""
+    width = values.shape[1]
     if any(p._greedy for p in params):
         return None
     if width > SPARSE_TOP_K and all(0 < p.top_k <= SPARSE_TOP_K for p in params):
-        return _warp_top_k_candidates
-    if TOP_P_CANDIDATES and width > TOP_P_CANDIDATES[0] and all(p.top_k == 0 and p.top_p < 1.0 for p in params):
-        return _warp_top_p_candidates
-    return None
+        warped = _warp_top_k_candidates(values, params)
+    elif TOP_P_CANDIDATES and width > TOP_P_CANDIDATES[0] and all(p.top_k == 0 and p.top_p < 1.0 for p in params):
+        warped = _warp_top_p_candidates(values, params)
+    else:
+        return None
+    if warped is None:
+        return None
+    return torch.full(values.shape, -math.inf, dtype=torch.float32, device=values.device).scatter_(1, *warped)
 
 
 def _log_normalizer(values: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
