@@ -86,11 +86,16 @@ class _Scripted(DraftProvider):
     """A source whose drafts are scripted per row (by the row's prompt[0]), counting the rows
     it is asked for; its rounds cost `cost` single-token target steps."""
 
-    def __init__(self, name: str, free: bool, drafts: dict[int, Draft], cost: float = 0.0):
+    def __init__(self, name: str, free: bool, drafts: dict[int, Draft], cost: float = 0.0,
+                 sampled_cost: float | None = None):
         self.name, self.free, self.drafts, self.asked, self.cost = name, free, drafts, [], cost
+        self.sampled_cost = sampled_cost
 
     def draft_costs(self, target_costs):
         return self.cost, 0.0
+
+    def sampled_draft_costs(self, target_costs):
+        return None if self.sampled_cost is None else (self.sampled_cost, 0.0)
 
     def new_source(self, context: SourceContext) -> DraftSource:
         source = DraftSource()
@@ -174,8 +179,7 @@ def test_a_paid_source_is_asked_only_where_it_gains_more_than_its_round_costs():
     assert alone.stats()["asked"]["model"] == 40  # alone: 0.9 > 0.3
     # a sampled row weighs the source's sampled round (a draw and q per slot): at 1.0 step
     # G = 0.9 no longer pays there, while a greedy row, charged 0.3, asks every round
-    dearer = _Scripted("model", False, {2: model}, cost=0.3)
-    dearer.sampled_costs = (1.0, 0.0)
+    dearer = _Scripted("model", False, {2: model}, cost=0.3, sampled_cost=1.0)
     by_mode = CompositeProvider([dearer, _Scripted("lookup", True, {})])
     by_mode.draft_costs(None)
     greedy_row = by_mode.new_source(SourceContext([2], [], SamplingParams(), 64))

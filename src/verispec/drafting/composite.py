@@ -43,8 +43,8 @@ round and every `PROBE_EVERY`-th after it, so G keeps learning. With flat step c
 is G > O + c (B + O): a round that pays on one row must gain B times as much on B, since it
 delays every row's token. Counting this row's tokens alone (the rule before stage 10 of
 docs/dspark-campaign.md) asked the drafter on most rows of a 4-16-row batch, where
-bench/scheduler.py measured the composite at 0.62-0.92x no speculation on gemma3-270m. The engine's draft length policy is charged the free
-sources only (`draft_costs`): a paid round's cost is this rule's to weigh, not a reason
+bench/scheduler.py measured the composite at 0.62-0.92x no speculation on gemma3-270m.
+The engine's draft length policy is charged the free sources only (`draft_costs`): a paid round's cost is this rule's to weigh, not a reason
 to shorten the lookup's drafts on rows where the model is never asked. On text that
 repeats itself the lookup's long, sure drafts win and the model's round is not paid.
 
@@ -151,7 +151,8 @@ class CompositeProvider(DraftProvider):
         any (a paid source's round is weighed per row by `_worth_asking`), else all."""
         self.step_costs = target_costs or StepCosts.flat()
         self.costs = [p.draft_costs(target_costs) for p in self.providers]
-        self.sampled_costs = [p.sampled_costs or c for p, c in zip(self.providers, self.costs)]
+        self.sampled_costs = [c if p.free else p.sampled_draft_costs(target_costs) or c
+                              for p, c in zip(self.providers, self.costs)]
         charged = [c for p, c in zip(self.providers, self.costs) if p.free] or self.costs
         return sum(f for f, _ in charged), sum(t for _, t in charged)
 

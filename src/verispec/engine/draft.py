@@ -113,8 +113,6 @@ class DraftProvider:
     taps: tuple[int, ...] = ()  # target layers whose hidden states every source needs
     max_draft: int = MAX_DRAFT_TOKENS  # the most one round can propose
     free = False  # True: a round costs nothing worth counting (a lookup), so a composite asks it first
-    # a sampled row's round, where it costs otherwise than `draft_costs` (set by draft_costs)
-    sampled_costs: tuple[float, float] | None = None
 
     def new_source(self, context: SourceContext) -> DraftSource:
         raise NotImplementedError
@@ -130,6 +128,11 @@ class DraftProvider:
         """What drafting costs, in single-token target steps: (per round that drafts at all,
         per drafted token), for the draft length policy; free unless the provider says so."""
         return 0.0, 0.0
+
+    def sampled_draft_costs(self, target_costs) -> tuple[float, float] | None:
+        """`draft_costs` for a sampled row's round where it differs (None: the same); only a
+        composite, which weighs each row's round, asks."""
+        return None
 
     def kv_bytes(self, capacity: int) -> int:
         """Bytes one request's source reserves for a target row of `capacity` tokens

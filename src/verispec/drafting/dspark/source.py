@@ -96,14 +96,16 @@ class DSparkProvider(DraftProvider):
 
     def draft_costs(self, target_costs) -> tuple[float, float]:
         """(per round, per token) in single-token target steps: one backbone pass and the
-        sequential head for a whole block, whatever its length. A sampled round costs more
-        (a draw and q per slot): `sampled_costs` keeps its own measurement, which the
-        composite weighs sampled rows by."""
+        sequential head for a whole block, whatever its length."""
         from verispec.engine.sampling import SamplingParams
 
-        base = target_costs.base_seconds
-        self.sampled_costs = (self._round_seconds(SamplingParams(temperature=1.0)) / base, 0.0)
-        return self._round_seconds(SamplingParams()) / base, 0.0
+        return self._round_seconds(SamplingParams()) / target_costs.base_seconds, 0.0
+
+    def sampled_draft_costs(self, target_costs) -> tuple[float, float]:
+        """A sampled round costs more (a draw and q per slot): timed apart."""
+        from verispec.engine.sampling import SamplingParams
+
+        return self._round_seconds(SamplingParams(temperature=1.0)) / target_costs.base_seconds, 0.0
 
     def _round_seconds(self, params) -> float:
         """The best of 5 timed rounds of one row with these sampling settings."""
@@ -160,6 +162,9 @@ class _Chooser:
         self.sources = sources
         self.params = [s.context.params for s in sources]
         self.plain = all(p.is_noop for p in self.params)  # greedy, no bias or penalties: argmax as is
+        # draw and keep q over the draft vocabulary (no bias or penalties index target ids)
+        self.on_draft_vocab = provider.drafter.draft_vocab_ids is not None and not any(
+            p.has_penalties or p.has_bias for p in self.params)
         self.drafted: list[list[int]] = [[] for _ in sources]
         self.probs: list[list[torch.Tensor]] = [[] for _ in sources]
 
@@ -171,7 +176,7 @@ class _Chooser:
                 self.drafted[r].append(t)
             return choice
         params = self.params
-        if self._on_draft_vocab:
+        if self.on_draft_vocab:
             return self._choose_in_draft_vocab(logits.float())
         full = self._full_vocab(logits.float())
         penalties = any(p.has_penalties for p in params)
@@ -205,17 +210,12 @@ class _Chooser:
             self.drafted[r].append(t)
         return chosen
 
-    @property
-    def _on_draft_vocab(self) -> bool:
-        return self.provider.drafter.draft_vocab_ids is not None and not any(
-            p.has_penalties or p.has_bias for p in self.params)
-
     def q(self, row: int, n: int) -> torch.Tensor | None:
         rows = self.probs[row]
         if not rows or not n:
             return None
         q = torch.stack(rows[:n])
-        if not self._on_draft_vocab:  # drawn over the target's vocabulary already
+        if not self.on_draft_vocab:  # drawn over the target's vocabulary already
             return q
         full = torch.zeros(n, self.provider.drafter.config.args.vocab_size, dtype=q.dtype, device=q.device)
         full[:, self.provider.drafter.draft_vocab_ids.to(q.device)] = q  # verification reads target ids
