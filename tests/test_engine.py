@@ -193,3 +193,24 @@ def test_a_failing_row_fails_alone(tiny, monkeypatch):
     assert results[1].finish_reason == "error" and "poisoned" in results[1].error
     assert results[0].token_ids == expected[0] and results[2].token_ids == expected[2]
     assert engine.cache.bytes_in_use == 0
+
+
+def test_joined_rows_is_the_concatenation_and_a_view_where_the_rows_lie_back_to_back():
+    """decide() joins the emitting rows' logits: the same values as torch.cat in every
+    layout, without a copy when they are consecutive slices of the forward's logits."""
+    from verispec.engine.runner import joined_rows
+
+    base, wide = torch.randn(10, 7), torch.randn(10, 14)
+    layouts = {
+        "consecutive": ([base[0:2], base[2:3], base[3:7]], True),
+        "an empty slice between": ([base[0:2], base[2:2], base[2:5]], True),
+        "a gap": ([base[0:2], base[3:4]], False),
+        "out of order": ([base[2:4], base[0:2]], False),
+        "another buffer": ([base[0:2], torch.randn(3, 7)], False),
+        "narrowed columns": ([base[0:1, :3], base[1:3, :3]], True),
+        "columns strided otherwise": ([wide[0:2, ::2], wide[2:3, :7]], False),
+    }
+    for name, (parts, shares) in layouts.items():
+        joined = joined_rows(parts)
+        assert torch.equal(joined, torch.cat(parts)), name
+        assert (joined.data_ptr() == parts[0].data_ptr()) == shares, name

@@ -101,6 +101,20 @@ class DraftAttention(nn.Module):
             q = self.q_norm(q)
         return apply_rope(q, *rope)
 
+    def attend_block(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Decoding: a block's queries q [g, heads, D] over one row's keys and values
+        [kv_heads, S, D], every key visible -> [g, heads * D]. Two batched matmuls over the
+        query heads of each KV head: torch's SDPA takes its math path for grouped heads on
+        CPU, twice as slow at these sizes (checked against it by tests/test_dspark.py's
+        traces, which decode through here)."""
+        g, heads, D = q.shape
+        kv = keys.shape[0]
+        group = heads // kv
+        grouped = q.view(g, kv, group, D).permute(1, 2, 0, 3).reshape(kv, group * g, D)
+        weights = torch.bmm(grouped * self.scale, keys.transpose(1, 2)).softmax(dim=-1)
+        out = torch.bmm(weights, values)  # [kv, group * g, D]
+        return out.view(kv, group, g, D).permute(2, 0, 1, 3).reshape(g, heads * D)
+
     def attend(self, q, k, v, mask=None) -> torch.Tensor:
         """q [..., Q, heads, D], k/v [..., K, kv_heads, D] -> [..., Q, heads * D]."""
         out = F.scaled_dot_product_attention(
@@ -152,11 +166,13 @@ class DraftLayer(nn.Module):
 
 
 class ContextCache:
-    """One row's projected context K/V for every draft layer (positions 0 .. length-1)."""
+    """One row's projected context K/V for every draft layer, [kv_heads, capacity, D]
+    (positions 0 .. length-1); a round writes its block's K/V into the slots right after
+    them, where they are attended over and then overwritten by the next round."""
 
     def __init__(self, drafter: "DSparkDrafter", capacity: int):
         a = drafter.config.args
-        shape = (capacity, a.kv_heads_at(0), a.head_dim_at(0))
+        shape = (a.kv_heads_at(0), capacity, a.head_dim_at(0))
         dtype, device = drafter.kv_dtype(), drafter.device
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in drafter.layers]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in drafter.layers]
@@ -290,8 +306,8 @@ class DSparkDrafter(nn.Module):
                 at = 0
                 for cache, n in zip(caches, n_new):
                     if n:
-                        cache.keys[i][cache.length : cache.length + n] = k_ctx[at : at + n]
-                        cache.values[i][cache.length : cache.length + n] = v_ctx[at : at + n]
+                        cache.keys[i][:, cache.length : cache.length + n] = k_ctx[at : at + n].transpose(0, 1)
+                        cache.values[i][:, cache.length : cache.length + n] = v_ctx[at : at + n].transpose(0, 1)
                         at += n
             q = attn.queries(u, blk_rope)
             k_blk, v_blk = attn.keys_values(u, blk_rope)
@@ -299,39 +315,63 @@ class DSparkDrafter(nn.Module):
             for r, (cache, n) in enumerate(zip(caches, n_new)):
                 end = cache.length + n
                 rows = slice(r * g, (r + 1) * g)
-                keys = torch.cat([cache.keys[i][:end], k_blk[rows].to(kv_dtype)])
-                values = torch.cat([cache.values[i][:end], v_blk[rows].to(kv_dtype)])
-                outs.append(attn.attend(q[rows].to(kv_dtype), keys, values).to(x.dtype))
+                if end + g <= cache.capacity:  # the block's K/V in the slots after the context
+                    cache.keys[i][:, end : end + g] = k_blk[rows].transpose(0, 1)
+                    cache.values[i][:, end : end + g] = v_blk[rows].transpose(0, 1)
+                    keys, values = cache.keys[i][:, : end + g], cache.values[i][:, : end + g]
+                else:
+                    keys = torch.cat([cache.keys[i][:, :end], k_blk[rows].transpose(0, 1).to(kv_dtype)], dim=1)
+                    values = torch.cat([cache.values[i][:, :end], v_blk[rows].transpose(0, 1).to(kv_dtype)], dim=1)
+                outs.append(attn.attend_block(q[rows].to(kv_dtype), keys, values).to(x.dtype))
             x = layer.finish(x, torch.cat(outs) if R > 1 else outs[0])
         for cache, n in zip(caches, n_new):
             cache.length += n
         return self.norm(x).view(R, g, -1)
 
     @torch.inference_mode()
-    def propose(self, h: torch.Tensor, anchors: list[int], choose) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(self, h: torch.Tensor, anchors: list[int], choose, ends=None,
+                slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sequential stage over a block's hidden states h [R, gamma, H]: slot by slot,
         the Markov/RNN bias from the previous token (the anchor, then the token chosen for
-        the slot before), `choose(slot, logits [R, V_draft]) -> draft-vocab ids [R]`, and
-        the slot's confidence logit. Returns (target-vocab tokens [R, gamma], confidence
-        logits [R, gamma] or None)."""
+        the slot before), the slot's confidence logit, then `choose(slot, logits [R,
+        V_draft]) -> draft-vocab ids [R]`. Returns (target-vocab tokens [R, L], confidence
+        logits [R, L'] or None).
+
+        `ends(slot, confidence logits [R] or None) -> [bool] * R`, when given, says which
+        rows' proposals end before this slot; once every row's has, the rest of the block is
+        not computed (L' = L + 1: the slot that ended the last one has its confidence, not
+        its token). A slot's confidence reads only its h and the token before it, so a
+        proposal cut there is the same as DeepSpec's, which computes the whole block and
+        then cuts. Without `ends`, L = L' = gamma. `slots`: at most this many (the longest
+        proposal any row may make)."""
         R, g = h.shape[:2]
-        base = self.base_logits(h)
+        g = g if slots is None else min(g, slots)
         prev = torch.tensor(anchors, dtype=torch.long, device=h.device)
         state = self.markov_head.initial_state((R,), h) if self.markov_head is not None else None
         tokens, confidences = [], []
+        base = None
+        ended = [False] * R
         for j in range(g):
-            logits = base[:, j]
             prev_emb = None
             if self.markov_head is not None:
                 prev_emb = self.markov_embedding(prev)
-                bias, state = self.markov_head.step(prev_emb, h[:, j], state)
-                logits = logits + bias
             conf = self.confidence(h[:, j], prev_emb)
             if conf is not None:
                 confidences.append(conf)
+            if ends is not None:
+                ended = [e or x for e, x in zip(ended, ends(j, conf))]
+                if all(ended):
+                    break
+            if base is None:  # the draft head over every slot at once (one pass over its weights)
+                base = self.base_logits(h[:, :g])
+            logits = base[:, j]
+            if self.markov_head is not None:
+                bias, state = self.markov_head.step(prev_emb, h[:, j], state)
+                logits = logits + bias
             prev = self.to_target_ids(choose(j, logits))
             tokens.append(prev)
-        return torch.stack(tokens, dim=1), (torch.stack(confidences, dim=1) if confidences else None)
+        out = torch.stack(tokens, dim=1) if tokens else torch.empty(R, 0, dtype=torch.long, device=h.device)
+        return out, (torch.stack(confidences, dim=1) if confidences else None)
 
     def prepare_for_inference(self, pack: bool = True, int8: str = "off") -> "DSparkDrafter":
         """Eval mode, no gradients and, on CPU, every linear layer's weight pre-packed for

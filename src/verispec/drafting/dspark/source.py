@@ -134,13 +134,20 @@ class DSparkProvider(DraftProvider):
         before = [(s.cache.length, sum(f.shape[0] for f in s.pending)) for s in sources]
         h = self.drafter.draft_hidden([s.cache for s in sources], [s.take_pending() for s in sources], anchors)
         chooser = _Chooser(self, sources)
-        tokens, confidence = self.drafter.propose(h, anchors, chooser)
+        limits = [min(n, self.block_size) for _, _, n in active]
+        if all(s.context.params.is_greedy for s in sources):
+            # no draws: the block stops where every row's proposal has ended (its confidence cut
+            # or its length limit). A sampled row draws every slot, so that its generator's
+            # stream does not depend on the cut, its limit or its batch mates.
+            tokens, confidence = self.drafter.propose(h, anchors, chooser, self._ends(limits), max(limits))
+        else:
+            tokens, confidence = self.drafter.propose(h, anchors, chooser)
         drafts = {}
         for r, (source, anchor, max_n) in enumerate(active):
             row_conf = None if confidence is None else confidence[r]
             # once per slot: the cut and the scheduler read the same (STS-calibrated) numbers
             conf = None if row_conf is None else calibrated_confidences(row_conf, self.temperatures)
-            n = min(first_below(conf, self.threshold, self.block_size), max_n)
+            n = min(first_below(conf, self.threshold, tokens.shape[1]), max_n, tokens.shape[1])
             q = chooser.q(r, n)
             drafts[id(source)] = Draft(tokens[r, :n].tolist(), q, confidence=None if conf is None else conf[:n])
             if self.trace is not None:
@@ -151,6 +158,24 @@ class DSparkProvider(DraftProvider):
                     "confidence_logits": None if row_conf is None else row_conf.tolist(), "proposal_len": n,
                 })
         return [drafts.get(id(s), Draft()) if n > 0 else Draft() for s, _, n in requests]
+
+
+    def _ends(self, limits: list[int]):
+        """`propose`'s stop test: a row's proposal ends before slot j at its length limit or
+        where the slot's calibrated confidence is below its threshold (`first_below`'s rule,
+        on the same numbers)."""
+        per_slot = self.threshold if isinstance(self.threshold, (list, tuple)) else [self.threshold] * self.block_size
+
+        def ends(j: int, logits: torch.Tensor | None) -> list[bool]:
+            out = [j >= limit for limit in limits]
+            threshold = per_slot[j] if j < len(per_slot) else 0.0
+            if logits is None or threshold <= 0:
+                return out
+            temperatures = None if self.temperatures is None else [self.temperatures[j]]
+            conf = calibrated_confidences(logits[:, None], temperatures)
+            return [e or c[0] < threshold for e, c in zip(out, conf)]
+
+        return ends
 
 
 class _Chooser:
@@ -169,12 +194,8 @@ class _Chooser:
         self.probs: list[list[torch.Tensor]] = [[] for _ in sources]
 
     def __call__(self, slot: int, logits: torch.Tensor) -> torch.Tensor:
-        if self.plain:
-            choice = logits.float().argmax(dim=-1)  # bf16 argmax is ~5x slower on CPU; same first maximum
-            ids = self.provider.drafter.to_target_ids(choice)
-            for r, t in enumerate(ids.tolist()):
-                self.drafted[r].append(t)
-            return choice
+        if self.plain:  # `drafted` feeds penalties only, which a plain row has none of
+            return logits.float().argmax(dim=-1)  # bf16 argmax is ~5x slower on CPU; same first maximum
         params = self.params
         if self.on_draft_vocab:
             return self._choose_in_draft_vocab(logits.float())
