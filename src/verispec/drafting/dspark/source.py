@@ -108,7 +108,15 @@ class DSparkProvider(DraftProvider):
         return self._round_seconds(SamplingParams(temperature=1.0)) / target_costs.base_seconds, 0.0
 
     def _round_seconds(self, params) -> float:
-        """The best of 5 timed rounds of one row with these sampling settings."""
+        """The best of 5 timed rounds of one row with these sampling settings, each drafting
+        a whole block (no confidence cut: a round's price when it proposes)."""
+        threshold, self.threshold = self.threshold, 0.0
+        try:
+            return self._time_rounds(params)
+        finally:
+            self.threshold = threshold
+
+    def _time_rounds(self, params) -> float:
         from verispec.engine.draft import SourceContext as Ctx
 
         H = self.drafter.config.args.hidden_size
