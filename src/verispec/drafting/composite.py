@@ -38,8 +38,10 @@ and q per slot made it 5.2 ms against a greedy round's 4 on gemma3). The source 
     (B + G) / (s(B + m_G) + c)  >  (B + O) / s(B + m_O),   m = min(draft length, gain + 1)
 
 (the step's tokens per unit of time: each of its B rows emits one, this row its gain on
-top; the other rows' gains are left out, which leans towards asking), and on a row's first
-round and every `PROBE_EVERY`-th after it, so G keeps learning. With flat step costs that
+top; the other rows' gains are left out, which leans towards asking), and, so that G keeps
+learning, until it has a first estimate and on one row of every `PROBE_EVERY`-th step (per
+step, not per row: a probe delays the whole step, and when every new row's first round
+was one, 16 streams paid a whole-prompt backbone pass each time a request joined). With flat step costs that
 is G > O + c (B + O): a round that pays on one row must gain B times as much on B, since it
 delays every row's token. Counting this row's tokens alone (the rule before stage 10 of
 docs/dspark-campaign.md) asked the drafter on most rows of a 4-16-row batch, where
@@ -65,7 +67,7 @@ from verispec.engine.draft import Draft, DraftProvider, DraftSource, SourceConte
 from verispec.engine.step_costs import StepCosts
 
 EXPLORE_EVERY = 8  # every 8th round of a row verifies its least-chosen source's candidate
-PROBE_EVERY = 32  # every 32nd round of a row asks every paid source, whatever it is expected to gain
+PROBE_EVERY = 32  # every 32nd step one row asks every paid source, whatever it is expected to gain
 GAIN_MEMORY = 32  # drafts a paid source's running mean gain mostly rests on
 
 
@@ -130,6 +132,7 @@ class CompositeProvider(DraftProvider):
         self.sampled_costs = list(self.costs)  # the same for sampled rows (a draw and q per slot)
         self.step_costs = StepCosts.flat()  # the engine's measured target step costs, once bound
         self.rows = 0  # rows that asked the composite for a draft
+        self.steps = 0  # steps with a drafting row (the probe cadence)
         # free sources first: what they offer decides whether a paid one is asked
         self.order = sorted(range(len(providers)), key=lambda i: not providers[i].free)
 
@@ -163,13 +166,20 @@ class CompositeProvider(DraftProvider):
         options = [[Draft() for _ in self.providers] for _ in requests]
         picks = [[-1.0] * len(self.providers) for _ in requests]  # each offered draft's pick key, once
         best = [(0.0, 0)] * len(requests)  # per row: (the largest expected gain offered so far, its length)
-        batch = sum(1 for _, _, n in requests if n > 0)  # rows drafting: one pending token each
-        explore, probe = [], []
+        drafting = [r for r, (_, _, n) in enumerate(requests) if n > 0]
+        batch = len(drafting)  # rows drafting: one pending token each
+        explore = []
         for source, _, n in requests:
             source.rounds += 1
             explore.append(source.rounds % EXPLORE_EVERY == 1)
-            probe.append(source.rounds % PROBE_EVERY == 1)
-        self.rows += sum(1 for _, _, n in requests if n > 0)
+        probe = [False] * len(requests)
+        if drafting:
+            # one row of every PROBE_EVERY-th step, in turn: a probe's round delays the whole
+            # step's tokens, so the cadence is per step, not per row
+            self.steps += 1
+            if self.steps % PROBE_EVERY == 1:
+                probe[drafting[(self.steps // PROBE_EVERY) % batch]] = True
+        self.rows += batch
         for i in self.order:
             p = self.providers[i]
             rows = [r for r, (source, _, n) in enumerate(requests) if n > 0 and (

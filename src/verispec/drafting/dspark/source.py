@@ -8,12 +8,15 @@ states of `target_layer_ids` on every forward; other sources pay nothing for tha
 A round is one backbone pass over [new context rows, anchor, MASK x (gamma - 1)] for all
 drafting rows at once, then the sequential head slot by slot, each slot's token chosen
 from the request's own processed distribution (greedy: argmax; sampled: drawn with the
-source's generator, and that distribution is the q verification needs; over the draft
-vocabulary alone when the request has no bias or penalties, checked by a chi-square test in
-tests/test_dspark.py), then the
+source's generator, block_size uniforms a round drawn up front, and that distribution is
+the q verification needs; over the draft vocabulary alone when the request has no bias or
+penalties, checked by a chi-square test in tests/test_dspark.py), and the
 confidence cut: the proposal ends before the first slot whose sigmoid(confidence) is
 below the threshold (DeepSpec's rule; an empty proposal is a plain decode step), the
-confidence divided by the slot's STS temperature first where calibrate fitted one.
+confidence divided by the slot's STS temperature first where calibrate fitted one. A
+slot's confidence reads only its hidden state and the token before it, so the head stops
+at the slot that cuts the last row's proposal (or at the rows' length limits) instead of
+drafting the whole block as DeepSpec does: the same proposals, for less.
 
 `trace`, when a list, receives one record per proposal and per commit (what DeepSpec's
 evaluator logs), which is how tests/test_dspark.py compares rounds with its traces.
@@ -25,7 +28,7 @@ import time
 
 import torch
 
-from verispec.engine.sampling import make_generator, process_logits, sample, sampling_probs
+from verispec.engine.sampling import inverse_cdf_draw, make_generator, process_logits, sampling_probs
 from verispec.drafting.dspark.model import DSparkDrafter, calibrated_confidences, first_below
 from verispec.engine.draft import Draft, DraftProvider, DraftSource, SourceContext
 
@@ -143,13 +146,9 @@ class DSparkProvider(DraftProvider):
         h = self.drafter.draft_hidden([s.cache for s in sources], [s.take_pending() for s in sources], anchors)
         chooser = _Chooser(self, sources)
         limits = [min(n, self.block_size) for _, _, n in active]
-        if all(s.context.params.is_greedy for s in sources):
-            # no draws: the block stops where every row's proposal has ended (its confidence cut
-            # or its length limit). A sampled row draws every slot, so that its generator's
-            # stream does not depend on the cut, its limit or its batch mates.
-            tokens, confidence = self.drafter.propose(h, anchors, chooser, self._ends(limits), max(limits))
-        else:
-            tokens, confidence = self.drafter.propose(h, anchors, chooser)
+        # the block stops where every row's proposal has ended (its confidence cut or its
+        # length limit); a sampled row's uniforms were drawn for the whole block (_Chooser)
+        tokens, confidence = self.drafter.propose(h, anchors, chooser, self._ends(limits), max(limits))
         drafts = {}
         for r, (source, anchor, max_n) in enumerate(active):
             row_conf = None if confidence is None else confidence[r]
@@ -200,41 +199,54 @@ class _Chooser:
             p.has_penalties or p.has_bias for p in self.params)
         self.drafted: list[list[int]] = [[] for _ in sources]
         self.probs: list[list[torch.Tensor]] = [[] for _ in sources]
+        # a sampled row's uniforms for the whole block, drawn up front: its generator gives
+        # block_size numbers a round wherever the block stops (a confidence cut, a length
+        # limit, its batch mates), so its stream depends on nothing else
+        self.uniforms = None
+        if not all(p.is_greedy for p in self.params):
+            self.uniforms = torch.full((len(sources), provider.block_size), 0.5, dtype=torch.float64)
+            for r, source in enumerate(sources):
+                if not source.context.params.is_greedy:
+                    self.uniforms[r] = torch.rand(provider.block_size, generator=source.generator,
+                                                  dtype=torch.float64, device=source.generator.device).cpu()
 
     def __call__(self, slot: int, logits: torch.Tensor) -> torch.Tensor:
         if self.plain:  # `drafted` feeds penalties only, which a plain row has none of
             return logits.float().argmax(dim=-1)  # bf16 argmax is ~5x slower on CPU; same first maximum
         params = self.params
         if self.on_draft_vocab:
-            return self._choose_in_draft_vocab(logits.float())
+            return self._choose_in_draft_vocab(slot, logits.float())
         full = self._full_vocab(logits.float())
         penalties = any(p.has_penalties for p in params)
         histories = [s.context.output + self.drafted[r] for r, s in enumerate(self.sources)] if penalties else None
         prompts = [s.context.prompt for s in self.sources] if penalties else None
-        chosen = self._draw(process_logits(full, params, prompts, histories))
+        chosen = self._draw(slot, process_logits(full, params, prompts, histories))
         for r, t in enumerate(chosen.tolist()):
             self.drafted[r].append(t)
         return self._to_draft_index(chosen)
 
-    def _draw(self, processed: torch.Tensor) -> torch.Tensor:
+    def _draw(self, slot: int, processed: torch.Tensor) -> torch.Tensor:
         """Each row's token from its processed distribution (indices into its columns), keeping
-        that distribution as q for the sampled rows."""
+        that distribution as q for the sampled rows: one softmax serves both (the draw is the
+        inverse CDF of q itself, at the row's uniform for this slot; a greedy row's q is a
+        point mass at its argmax, which any uniform picks)."""
         params = self.params
-        chosen = sample(processed, params, [s.generator for s in self.sources])
-        if not all(p.is_greedy for p in params):
-            probs = sampling_probs(processed, params)
-            for r, p in enumerate(params):
-                if not p.is_greedy:
-                    self.probs[r].append(probs[r])
+        if self.uniforms is None:
+            return processed.argmax(dim=-1)
+        probs = sampling_probs(processed, params)
+        chosen = inverse_cdf_draw(probs, uniforms=self.uniforms[:, slot : slot + 1].to(probs.device))
+        for r, p in enumerate(params):
+            if not p.is_greedy:
+                self.probs[r].append(probs[r])
         return chosen
 
-    def _choose_in_draft_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+    def _choose_in_draft_vocab(self, slot: int, logits: torch.Tensor) -> torch.Tensor:
         """The draw and q over the draft vocabulary alone: every other token's logit is -inf,
         so its probability is 0 under temperature, top-k, top-p and min-p alike, and the rows
         without bias or penalties (which index target ids) need not see the target's full
         vocabulary. On Gemma's 262,144 tokens against a 4,552-token draft vocabulary that was
         most of a sampled round's cost: a softmax and a cumsum per slot over the full width."""
-        chosen = self._draw(process_logits(logits, self.params))
+        chosen = self._draw(slot, process_logits(logits, self.params))
         for r, t in enumerate(self.provider.drafter.to_target_ids(chosen).tolist()):
             self.drafted[r].append(t)
         return chosen
