@@ -349,7 +349,7 @@ def test_dspark_sampling_over_a_draft_vocabulary_keeps_the_target_distribution(q
     calls = []
     choose = source_module._Chooser._choose_in_draft_vocab
     monkeypatch.setattr(source_module._Chooser, "_choose_in_draft_vocab",
-                        lambda self, logits: calls.append(1) or choose(self, logits))
+                        lambda self, slot, logits: calls.append(1) or choose(self, slot, logits))
 
     def sample_counts(n):
         engine = Engine(target.model, CharTokenizer(), (), EngineConfig(kv_budget=2**31, max_rows=500, max_waiting=n + 1,
@@ -557,3 +557,38 @@ def test_the_kv_budget_hint_is_exactly_what_fits_with_a_drafter(qwen3):
     with pytest.raises(RequestRejected, match=f"at most {n} with this prompt") as e:
         engine.check(GenerationRequest(prompt, n + 1))
     assert e.value.param == "max_tokens"
+
+
+def test_a_sampled_rows_drafts_do_not_depend_on_where_its_block_stops_or_its_batch_mates(qwen3):
+    """The head stops at the slot where every row's proposal has ended, so a sampled row's
+    block is cut short by its own length limit when alone and drafted further in a batch
+    whose other row may go on. Its generator gives a whole block's uniforms every round
+    either way (source._Chooser), so its next round's drafts are the same: seeded rows'
+    draft streams depend on nothing but themselves. Drawing a uniform per computed slot
+    instead fails this (the lone row's stream falls behind)."""
+    from verispec.drafting.dspark.source import DSparkProvider
+    from verispec.engine.draft import SourceContext
+    from verispec.engine.sampling import SamplingParams
+
+    _, drafter = qwen3
+    provider = DSparkProvider(drafter, confidence_threshold=0.0)
+    width = drafter.fc.in_features
+    features = torch.randn(12, width, generator=torch.Generator().manual_seed(3))
+    sampled = SamplingParams(temperature=1.0, seed=7)
+
+    def source(params):
+        s = provider.new_source(SourceContext(list(range(1, 13)), [], params, 32))
+        s.pending = [features.clone()]
+        return s
+
+    alone, batched, mate = source(sampled), source(sampled), source(SamplingParams())
+    first_alone = provider.draft_batch([(alone, 5, 1)])[0]
+    first_batched = provider.draft_batch([(batched, 5, 3), (mate, 9, drafter.block_size)])[0]
+    assert len(first_alone.tokens) == 1 and len(first_batched.tokens) == 3
+    assert first_alone.tokens == first_batched.tokens[:1]
+    for s in (alone, batched):
+        s.pending = [features[:2].clone()]
+    second_alone = provider.draft_batch([(alone, 6, 3)])[0]
+    second_batched = provider.draft_batch([(batched, 6, 3)])[0]
+    assert second_alone.tokens == second_batched.tokens and len(second_alone.tokens) == 3
+    assert torch.equal(second_alone.q, second_batched.q)
