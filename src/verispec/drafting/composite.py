@@ -41,14 +41,15 @@ and q per slot made it 5.2 ms against a greedy round's 4 on gemma3). The source 
 top; the other rows' gains are left out, which leans towards asking), and, so that G keeps
 learning, until it has a first estimate and on one row of every `PROBE_EVERY`-th step (per
 step, not per row: a probe delays the whole step, and when every new row's first round
-was one, 16 streams paid a whole-prompt backbone pass each time a request joined). With flat step costs that
-is G > O + c (B + O): a round that pays on one row must gain B times as much on B, since it
-delays every row's token. Counting this row's tokens alone (the rule before stage 10 of
-docs/dspark-campaign.md) asked the drafter on most rows of a 4-16-row batch, where
-bench/scheduler.py measured the composite at 0.62-0.92x no speculation on gemma3-270m.
-The engine's draft length policy is charged the free sources only (`draft_costs`): a paid round's cost is this rule's to weigh, not a reason
-to shorten the lookup's drafts on rows where the model is never asked. On text that
-repeats itself the lookup's long, sure drafts win and the model's round is not paid.
+was one, 16 streams paid a whole-prompt backbone pass each time a request joined). With
+flat step costs that is G > O + c (B + O): a round that pays on one row must gain B times
+as much on B, since it delays every row's token. Counting this row's tokens alone (the rule
+before stage 10 of docs/dspark-campaign.md) asked the drafter on most rows of a 4-16-row
+batch, where bench/scheduler.py measured the composite at 0.62-0.92x no speculation on
+gemma3-270m. The engine's draft length policy is charged the free sources only
+(`draft_costs`): a paid round's cost is this rule's to weigh, not a reason to shorten the
+lookup's drafts on rows where the model is never asked. On text that repeats itself the
+lookup's long, sure drafts win and the model's round is not paid.
 
 The choice reads the free drafts (functions of the text) and past rounds only, never
 this round's sampled drafts, so it is lossless as the choice between candidates is. A

@@ -395,13 +395,18 @@ def calibrated_confidences(confidence_logits: torch.Tensor, temperatures: list[f
     return torch.sigmoid(logits).tolist()
 
 
+def slot_thresholds(threshold, length: int) -> list[float]:
+    """The confidence threshold as one number per slot (it may be given as one for all)."""
+    return list(threshold) if isinstance(threshold, (list, tuple)) else [threshold] * length
+
+
 def first_below(confidences: list[float] | None, threshold, length: int) -> int:
     """DeepSpec's truncation on given confidences: the index of the first slot whose
     confidence is below the threshold (so 0 is possible), or the whole block; a threshold
     <= 0 keeps all. The threshold may be one number or one per slot."""
     if confidences is None:
         return length
-    per_slot = threshold if isinstance(threshold, (list, tuple)) else [threshold] * length
+    per_slot = slot_thresholds(threshold, length)
     if all(t <= 0 for t in per_slot):
         return length
     return next((j for j, (c, t) in enumerate(zip(confidences, per_slot)) if t > 0 and c < t), length)

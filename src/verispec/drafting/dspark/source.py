@@ -29,7 +29,7 @@ import time
 import torch
 
 from verispec.engine.sampling import inverse_cdf_draw, make_generator, process_logits, sampling_probs
-from verispec.drafting.dspark.model import DSparkDrafter, calibrated_confidences, first_below
+from verispec.drafting.dspark.model import DSparkDrafter, calibrated_confidences, first_below, slot_thresholds
 from verispec.engine.draft import Draft, DraftProvider, DraftSource, SourceContext
 
 
@@ -166,12 +166,11 @@ class DSparkProvider(DraftProvider):
                 })
         return [drafts.get(id(s), Draft()) if n > 0 else Draft() for s, _, n in requests]
 
-
     def _ends(self, limits: list[int]):
         """`propose`'s stop test: a row's proposal ends before slot j at its length limit or
         where the slot's calibrated confidence is below its threshold (`first_below`'s rule,
         on the same numbers)."""
-        per_slot = self.threshold if isinstance(self.threshold, (list, tuple)) else [self.threshold] * self.block_size
+        per_slot = slot_thresholds(self.threshold, self.block_size)
 
         def ends(j: int, logits: torch.Tensor | None) -> list[bool]:
             out = [j >= limit for limit in limits]
