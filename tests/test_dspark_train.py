@@ -274,6 +274,12 @@ def test_calibrate_writes_thresholds_and_measure_reports(tmp_path):
         assert 1.0 <= row["ngram_tau"] <= 5.0 and row["ngram_tok_s"] > 0
         assert 1.0 <= row["composite_tau"] <= 5.0 and row["composite_tok_s"] > 0
         assert all(a is None or 0 <= a <= 1 for a in row["acceptance_by_position"])
+        # per position, the slots the target tested and kept: every kept draft once, no slot
+        # tested that was not sent (a proposal's unsent tail is not a rejection), and a slot
+        # tested only where the one before it was kept
+        tested, kept = row["tested_by_position"], row["kept_by_position"]
+        assert sum(kept) == row["accepted"] and sum(tested) <= row["drafted"]
+        assert all(t <= k for t, k in zip(tested[1:], kept)) and all(k <= t for k, t in zip(kept, tested))
     assert (drafter / "report.md").read_text().count("| gsm8k |") == 2 and (drafter / "measure.png").is_file()
     # the target ran the kernel plan `verispec serve` runs, not PyTorch's defaults: speed as served
     composite = measured["target"].pop("composite")  # the composite's drafter was asked for some rows, not more

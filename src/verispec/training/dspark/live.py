@@ -38,10 +38,12 @@ def make_engine(loaded, provider=None, adaptive: bool = True, num_draft_tokens: 
 
 
 def run_live(engine: Engine, prompt_ids: list[int], max_tokens: int, params: SamplingParams,
-             stop_ids=()) -> LiveResult:
+             stop_ids=(), rounds: bool = True) -> LiveResult:
+    """One request through `engine`; with `rounds`, the provider traces every proposal and
+    commit so the result lists its rounds (calibrate reads them; measure times without)."""
     import math
 
-    provider = engine.drafting.provider if engine.drafting.active else None
+    provider = engine.drafting.provider if engine.drafting.active and rounds else None
     if provider is not None:
         provider.trace = []
     result = engine.generate(GenerationRequest(prompt_ids, max_tokens, params))

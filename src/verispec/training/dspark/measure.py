@@ -7,7 +7,7 @@ the same run, interleaved: plainly, and with the drafter (the serving defaults: 
 cost-based draft length and the checkpoint's confidence thresholds). Reported per dataset:
 tau (tokens per target forward, the bonus token included), the conditional acceptance at
 each draft position (P(draft j accepted | drafts before it accepted), over the slots the
-target tested), and decode tok/s of both (tokens after the first / time after the first,
+target tested: a proposal's slots past what the verify schedule sent count nowhere), and decode tok/s of both (tokens after the first / time after the first,
 one request at a time) with their ratio; a markdown table (report.md) and PNG plots
 (acceptance by position, tau by dataset). These prompts are for measuring only.
 
@@ -83,15 +83,16 @@ def run_measure(args) -> int:
                                                           **{arm: _Tally() for arm in arms}})
             s["prompts"] += 1
             for arm, engine in arms.items():
-                live = run_live(engine, ids, args.max_tokens, params, loaded.stop_ids if arm == "dspark" else ())
+                # per position: the slots the target tested (the drafts the schedule sent, the
+                # drafts before them kept) and kept, as the engine counted them; a proposal's
+                # slots past what the schedule sent were never tested
+                tested, kept = list(engine.drafting.reached_at), list(engine.drafting.accepted_at)
+                live = run_live(engine, ids, args.max_tokens, params, rounds=False)  # no trace on the clock
                 s[arm].add(live)
                 if arm == "dspark":
-                    for r in live.rounds:
-                        for j in range(min(r.proposal_len, g)):
-                            if j > r.accepted:
-                                break
-                            s["reached"][j] += 1
-                            s["kept"][j] += j < r.accepted
+                    for j, (t, k) in enumerate(zip(engine.drafting.reached_at[:g], engine.drafting.accepted_at)):
+                        s["reached"][j] += t - tested[j]
+                        s["kept"][j] += k - kept[j]
             bar.update(1)
     for (temperature, dataset), s in stats.items():
         plain_tps, dspark_tps = s["plain"].tok_s, s["dspark"].tok_s
@@ -99,6 +100,8 @@ def run_measure(args) -> int:
             "dataset": dataset, "temperature": temperature, "prompts": s["prompts"],
             "tau": s["dspark"].tau,
             "acceptance_by_position": [round(k / r, 3) if r else None for k, r in zip(s["kept"], s["reached"])],
+            "tested_by_position": s["reached"], "kept_by_position": s["kept"],
+            "drafted": s["dspark"].drafted, "accepted": s["dspark"].accepted,  # drafts verified, kept
             "plain_tok_s": round(plain_tps, 1), "dspark_tok_s": round(dspark_tps, 1),
             "speedup": round(dspark_tps / plain_tps, 3) if plain_tps else None,
         })
@@ -136,11 +139,14 @@ class _Tally:
 
     def __init__(self):
         self.tokens, self.seconds, self.rounds, self.emitted = 0, 0.0, 0, 0.0
+        self.drafted = self.accepted = 0
 
     def add(self, live) -> None:
         self.tokens += live.tokens
         self.seconds += live.decode_s
         if live.speculation:
+            self.drafted += live.speculation["drafted"]
+            self.accepted += live.speculation["accepted"]
             self.rounds += live.speculation["rounds"]
             self.emitted += live.speculation["mean_accepted_length"] * live.speculation["rounds"]
 
