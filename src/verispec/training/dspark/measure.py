@@ -7,8 +7,9 @@ the same run, interleaved: plainly, and with the drafter (the serving defaults: 
 cost-based draft length and the checkpoint's confidence thresholds). Reported per dataset:
 tau (tokens per target forward, the bonus token included), the conditional acceptance at
 each draft position (P(draft j accepted | drafts before it accepted), over the slots the
-target tested: a proposal's slots past what the verify schedule sent count nowhere), and decode tok/s of both (tokens after the first / time after the first,
-one request at a time) with their ratio; a markdown table (report.md) and PNG plots
+target tested: a proposal's slots past what the verify schedule sent count nowhere), and
+decode tok/s of both (tokens after the first / time after the first, one request at a time)
+with their ratio; a markdown table (report.md) and PNG plots
 (acceptance by position, tau by dataset). These prompts are for measuring only.
 
 The target runs the plan `verispec serve` runs (`load_for_serving`: the kernels and weight
@@ -83,16 +84,13 @@ def run_measure(args) -> int:
                                                           **{arm: _Tally() for arm in arms}})
             s["prompts"] += 1
             for arm, engine in arms.items():
-                # per position: the slots the target tested (the drafts the schedule sent, the
-                # drafts before them kept) and kept, as the engine counted them; a proposal's
-                # slots past what the schedule sent were never tested
-                tested, kept = list(engine.drafting.reached_at), list(engine.drafting.accepted_at)
+                before = _positions(engine) if arm == "dspark" else None
                 live = run_live(engine, ids, args.max_tokens, params, rounds=False)  # no trace on the clock
                 s[arm].add(live)
-                if arm == "dspark":
-                    for j, (t, k) in enumerate(zip(engine.drafting.reached_at[:g], engine.drafting.accepted_at)):
-                        s["reached"][j] += t - tested[j]
-                        s["kept"][j] += k - kept[j]
+                if before is not None:
+                    for key, now, then in zip(("reached", "kept"), _positions(engine), before):
+                        for j in range(min(g, len(now))):
+                            s[key][j] += now[j] - then[j]
             bar.update(1)
     for (temperature, dataset), s in stats.items():
         plain_tps, dspark_tps = s["plain"].tok_s, s["dspark"].tok_s
@@ -132,6 +130,13 @@ def run_measure(args) -> int:
     print(json.dumps({"bench": "dspark_measure", "drafter": str(args.drafter), "max_tokens": args.max_tokens,
                       "per_dataset": args.per_dataset, "target": target, "rows": rows, "summary": summary}))
     return 0
+
+
+def _positions(engine) -> tuple[list[int], list[int]]:
+    """Per draft position, the engine's running counts of the slots the target tested (sent
+    by the verify schedule, the drafts before them kept) and kept: a proposal's slots past
+    what the schedule sent were never tested, so they count nowhere."""
+    return list(engine.drafting.reached_at), list(engine.drafting.accepted_at)
 
 
 class _Tally:
