@@ -275,6 +275,9 @@ def _print_sps(args, folder, dtype) -> None:
     model = load_folder(folder, dtype=dtype, kernels=args.kernels, quant=args.quant)
     costs, info = step_costs.step_costs_for(model, refresh=args.refresh)
     print(f"\nSPS table of the served plan ({info['source']}: {info['path']}): a target forward of B tokens")
+    if info.get("implausible"):
+        print(f"  measured {info['attempts']} times and still not sub-additive (a forward of a + b tokens cost more "
+              f"than one of a and one of b: {info['implausible'][:3]}): other work on this machine? Not cached.")
     print(f"{'tokens':>7}{'ms':>9}{'steps/s':>9}{'vs 1':>7}")
     for r in costs.table():
         print(f"{r['tokens']:>7}{r['ms']:>9.2f}{r['steps_per_s']:>9.1f}{r['relative']:>6.2f}x")

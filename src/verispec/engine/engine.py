@@ -167,7 +167,13 @@ class Engine:
         provider = drafter or NoDrafter()
         adaptive = self.config.adaptive_draft and drafter is not None
         scheduled = self.config.verify_schedule != "cost" and (drafter is not None or self.config.forced_drafts)
-        self.step_costs = step_costs_for(self.model)[0] if adaptive or scheduled else None
+        self.step_costs = None
+        if adaptive or scheduled:
+            self.step_costs, info = step_costs_for(self.model)
+            if info.get("implausible"):
+                log.warning("the SPS table stayed implausible after %d measurements (a forward of a + b tokens "
+                            "cost more than two forwards: %s); other work on this machine? It serves this run "
+                            "and is not cached", info["attempts"], info["implausible"][:3])
         costs = self.step_costs
         length = DraftLength(self.config.num_draft_tokens, provider.max_draft, costs, adaptive,
                              provider.draft_costs(costs) if costs is not None and drafter is not None else (0.0, 0.0),
