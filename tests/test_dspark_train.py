@@ -365,3 +365,20 @@ def test_a_draft_vocabulary_markov_embedding_is_the_full_one_with_outside_rows_s
     plain = capsys.readouterr().out
     assert main(["generate", *prompt, "--draft-model", str(out)]) == 0
     assert capsys.readouterr().out == plain
+
+
+def test_measure_takes_a_shipped_drafters_name_and_never_writes_into_the_package(tmp_path):
+    # the oracle: the factory's table of shipped drafters, the folder given, and the error's list
+    from verispec.drafting.factory import BUNDLED_DRAFTERS
+    from verispec.errors import UserError
+    from verispec.training.dspark.measure import drafter_folder, report_folder
+
+    assert drafter_folder("gemma3-270m") == BUNDLED_DRAFTERS["gemma3-270m"]
+    assert report_folder("gemma3-270m", None) == Path("dspark-measure") / "gemma3-270m"
+    own = tmp_path / "ckpt"
+    own.mkdir()
+    (own / "config.json").write_text("{}")
+    assert drafter_folder(str(own)) == own and report_folder(str(own), None) == own
+    assert report_folder("gemma3-270m", str(tmp_path / "o")) == tmp_path / "o"
+    with pytest.raises(UserError, match="smollm2-135m-instruct"):
+        drafter_folder(str(tmp_path / "missing"))

@@ -193,7 +193,8 @@ a whole run for the default model (each command can be stopped and rerun; README
                            "table and PNG plots. The target runs the plan `verispec serve` runs (the kernels and "
                            "weight formats measured for this machine), so the speedups are the served ones.")
     me.add_argument("--drafter", required=True,
-                    help="DSpark checkpoint folder, or a train --out folder for its newest checkpoint")
+                    help="DSpark checkpoint folder, a train --out folder for its newest checkpoint, or a shipped "
+                         "drafter's name (smollm2-135m-instruct, gemma3-270m)")
     me.add_argument("--eval-dir", default=None, help="folder of mt-bench.jsonl, gsm8k.jsonl, ... (default: ../shared/eval-prompts)")
     me.add_argument("--datasets", default="mt-bench,gsm8k,humaneval,mbpp")
     me.add_argument("--per-dataset", type=int, default=12, help="prompts per dataset (default 12)")
@@ -211,7 +212,8 @@ a whole run for the default model (each command can be stopped and rerun; README
                     help="also decode every prompt with the composite of this drafter and n-gram lookup "
                          "(`--speculate composite`: the lookup first, the drafter only where it is expected to gain "
                          "more; same policy)")
-    me.add_argument("--out", default=None, help="report folder (default: the drafter's)")
+    me.add_argument("--out", default=None,
+                    help="report folder (default: the drafter's; ./dspark-measure/NAME for a shipped drafter)")
     _target_options(me)
     from verispec.serve_cli import add_kernel_args
 

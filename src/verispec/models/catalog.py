@@ -157,9 +157,9 @@ REGISTRY: dict[str, CatalogEntry] = {
         # Google's recommended temperature 1.0
         sampling=(("temperature", 1.0), ("top_k", 64), ("top_p", 0.95)),
         # bench/scheduler.py --model gemma3-270m, mean over T 0/1 (recommended top-k/top-p) and
-        # 1-16 streams, AMD EPYC, 2026-12-05 (campaign stage 12), two runs: n-gram 1.10x / 1.10x
-        # no speculation, the composite with the shipped DSpark drafter 1.06x / 1.07x, the drafter
-        # alone 0.96x / 1.00x (README, "Speculation by default")
+        # 1-16 streams, AMD EPYC, 2026-12-05 (campaign stage 13): n-gram 1.09x no speculation,
+        # the composite with the shipped DSpark drafter 1.07x, the drafter alone 1.01x (README,
+        # "Speculation by default")
         speculation="ngram",
     ),
 }

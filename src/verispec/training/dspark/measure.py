@@ -27,19 +27,42 @@ import sys
 from pathlib import Path
 
 from verispec.data.eval_prompts import default_eval_dir, load_eval
+from verispec.errors import UserError
 
+
+
+def drafter_folder(spec: str) -> Path:
+    """`--drafter`: a checkpoint folder, a train run folder (its newest checkpoint), or the
+    name of a shipped drafter (what `--init-from` takes too)."""
+    from verispec.drafting.dspark.checkpoint import newest_checkpoint
+    from verispec.drafting.factory import BUNDLED_DRAFTERS
+
+    folder = BUNDLED_DRAFTERS.get(spec) or newest_checkpoint(Path(spec))
+    if not (folder / "config.json").is_file():
+        raise UserError(f"--drafter {spec}: no drafter there (a folder with config.json, a train run folder, "
+                        f"or one of {', '.join(sorted(BUNDLED_DRAFTERS))})")
+    return folder
+
+
+def report_folder(spec: str, out: str | None) -> Path:
+    """Where the report goes: `--out`, else beside the checkpoint; a shipped drafter's report
+    goes to ./dspark-measure/NAME, never into the installed package."""
+    from verispec.drafting.factory import BUNDLED_DRAFTERS
+
+    if out:
+        return Path(out)
+    return Path("dspark-measure") / spec if spec in BUNDLED_DRAFTERS else drafter_folder(spec)
 
 def run_measure(args) -> int:
     import torch
     from tqdm.auto import tqdm
 
     from verispec.engine.sampling import SamplingParams
-    from verispec.errors import UserError
     from verispec.models.loader import load_for_serving
     from verispec.serve_cli import drafter_dtype, plan_summary
     from verispec.models.registry import DEFAULT_MODEL
     from verispec.models.tokenizer import encode_user_text
-    from verispec.drafting.dspark.checkpoint import load_dspark, newest_checkpoint
+    from verispec.drafting.dspark.checkpoint import load_dspark
     from verispec.training.dspark.live import make_engine, run_live
     from verispec.drafting.dspark.source import DSparkProvider
     from verispec.engine.verify_schedule import SERVED as SERVED_SCHEDULE
@@ -51,7 +74,7 @@ def run_measure(args) -> int:
         raise UserError("no eval prompts found: pass --eval-dir (a folder of mt-bench.jsonl, gsm8k.jsonl, ...)")
     loaded = load_for_serving(args.model or DEFAULT_MODEL, args.dtype, args.kernels, args.quant,
                               progress=not args.quiet)
-    drafter = load_dspark(newest_checkpoint(Path(args.drafter)), target=loaded, dtype=drafter_dtype(args.dtype),
+    drafter = load_dspark(drafter_folder(args.drafter), target=loaded, dtype=drafter_dtype(args.dtype),
                           int8="auto")  # as served
     g = drafter.block_size
     plain = make_engine(loaded)
@@ -121,7 +144,7 @@ def run_measure(args) -> int:
     if composite is not None:  # how often the composite paid for the drafter's round, and whose drafts it verified
         target["composite"] = composite.stats()
     report = _markdown(rows, summary, args, g, target, list(references))
-    out = Path(args.out) if args.out else newest_checkpoint(Path(args.drafter))
+    out = report_folder(args.drafter, args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(report)
     (out / "measure.json").write_text(json.dumps({"rows": rows, "summary": summary, "target": target}, indent=2))
