@@ -14,6 +14,18 @@ BUNDLED_DRAFTERS = {name: Path(__file__).resolve().parents[1] / "drafters" / nam
                     for name in ("smollm2-135m-instruct", "gemma3-270m")}
 
 
+def named_drafter(spec: str, option: str) -> Path:
+    """A drafter the training tools take (`--init-from`, `measure --drafter`): a shipped
+    drafter's name, a checkpoint folder, or a train run folder (its newest checkpoint)."""
+    from verispec.drafting.dspark.checkpoint import newest_checkpoint
+
+    folder = BUNDLED_DRAFTERS.get(spec) or newest_checkpoint(Path(spec))
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{option} {spec}: no drafter there (a folder with config.json, a train run folder, "
+                        f"or one of {', '.join(sorted(BUNDLED_DRAFTERS))})")
+    return folder
+
+
 def embedded_name(target) -> str | None:
     """The registry name of an embedded model being served, or None."""
     from verispec.models import registry

@@ -34,14 +34,9 @@ from verispec.errors import UserError
 def drafter_folder(spec: str) -> Path:
     """`--drafter`: a checkpoint folder, a train run folder (its newest checkpoint), or the
     name of a shipped drafter (what `--init-from` takes too)."""
-    from verispec.drafting.dspark.checkpoint import newest_checkpoint
-    from verispec.drafting.factory import BUNDLED_DRAFTERS
+    from verispec.drafting.factory import named_drafter
 
-    folder = BUNDLED_DRAFTERS.get(spec) or newest_checkpoint(Path(spec))
-    if not (folder / "config.json").is_file():
-        raise UserError(f"--drafter {spec}: no drafter there (a folder with config.json, a train run folder, "
-                        f"or one of {', '.join(sorted(BUNDLED_DRAFTERS))})")
-    return folder
+    return named_drafter(spec, "--drafter")
 
 
 def report_folder(spec: str, out: str | None) -> Path:

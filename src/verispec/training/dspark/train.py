@@ -103,15 +103,12 @@ def warm_start(source: str, manifest: dict, target_folder: Path):
     carries a campaign to the next session without a trainer state in the repository."""
     from types import SimpleNamespace
 
-    from verispec.drafting.dspark.checkpoint import check_compatible, draft_kind, load_dspark, newest_checkpoint
+    from verispec.drafting.dspark.checkpoint import check_compatible, draft_kind, load_dspark
     from verispec.drafting.dspark.config import DraftCheckpointError
-    from verispec.drafting.factory import BUNDLED_DRAFTERS
+    from verispec.drafting.factory import named_drafter
     from verispec.models.config import from_hf_config, read_config
 
-    folder = BUNDLED_DRAFTERS.get(source) or newest_checkpoint(Path(source))
-    if not (folder / "config.json").is_file():
-        raise UserError(f"--init-from {source}: no drafter there (a folder with config.json, a train run folder, "
-                        f"or one of {', '.join(sorted(BUNDLED_DRAFTERS))})")
+    folder = named_drafter(source, "--init-from")
     target = SimpleNamespace(folder=target_folder, model=SimpleNamespace(args=from_hf_config(read_config(target_folder))))
     try:
         if draft_kind(folder) != "dspark":
