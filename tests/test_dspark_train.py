@@ -369,16 +369,16 @@ def test_a_draft_vocabulary_markov_embedding_is_the_full_one_with_outside_rows_s
 
 def test_measure_takes_a_shipped_drafters_name_and_never_writes_into_the_package(tmp_path):
     # the oracle: the factory's table of shipped drafters, the folder given, and the error's list
-    from verispec.drafting.factory import BUNDLED_DRAFTERS
+    from verispec.drafting.factory import BUNDLED_DRAFTERS, named_drafter
     from verispec.errors import UserError
-    from verispec.training.dspark.measure import drafter_folder, report_folder
+    from verispec.training.dspark.measure import report_folder
 
-    assert drafter_folder("gemma3-270m") == BUNDLED_DRAFTERS["gemma3-270m"]
+    assert named_drafter("gemma3-270m", "--drafter") == BUNDLED_DRAFTERS["gemma3-270m"]
     assert report_folder("gemma3-270m", None) == Path("dspark-measure") / "gemma3-270m"
     own = tmp_path / "ckpt"
     own.mkdir()
     (own / "config.json").write_text("{}")
-    assert drafter_folder(str(own)) == own and report_folder(str(own), None) == own
+    assert named_drafter(str(own), "--drafter") == own and report_folder(str(own), None) == own
     assert report_folder("gemma3-270m", str(tmp_path / "o")) == tmp_path / "o"
-    with pytest.raises(UserError, match="smollm2-135m-instruct"):
-        drafter_folder(str(tmp_path / "missing"))
+    with pytest.raises(UserError, match="--drafter .*smollm2-135m-instruct"):
+        named_drafter(str(tmp_path / "missing"), "--drafter")

@@ -17,9 +17,10 @@ a forward is bound by reading the weights (up to `SUBADDITIVE_UPTO` tokens, a ve
 one forward of a + b tokens may not cost more than a forward of a and one of b (x `SLACK`
 for timing noise), as every token shares the weights read once. Past that a forward turns
 compute-bound and real tables are not sub-additive (on this VM SmolLM2's 64 tokens read
-1.8-2.9x two forwards of 32, run after run), so they are not checked. A table that is not is measured again (up to `ATTEMPTS` in all, each size keeping its
-fastest reading: other work only adds time), and one that stays implausible is used but
-not cached, so the next start measures afresh; `verispec profile` says so.
+1.8-2.9x two forwards of 32, run after run), so they are not checked. A table that fails
+the check is measured again (up to `ATTEMPTS` in all, each size keeping its fastest
+reading: other work only adds time), and one that stays implausible is used but not
+cached, so the next start measures afresh; `verispec profile` says so.
 
 The rows a forward spans matter too: on a 2-core Zen 5 with the default SmolLM2 plan, 8
 tokens as one row's verify block took 19.8 ms and as 8 rows of one token 28.4 ms (each
@@ -251,11 +252,10 @@ def step_costs_for(model, refresh: bool = False, sizes=SIZES, rows=ROWS) -> tupl
         except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable: measure again
     costs = measure_step_costs(model, sizes, rows=rows)
-    attempts = 1
-    while violations(costs.seconds) and attempts < ATTEMPTS:
+    attempts, bad = 1, violations(costs.seconds)
+    while bad and attempts < ATTEMPTS:
         costs = fastest(costs, measure_step_costs(model, sizes, rows=rows))
-        attempts += 1
-    bad = violations(costs.seconds)
+        attempts, bad = attempts + 1, violations(costs.seconds)
     record = {"key": key, "measured_at": time.time(), "seconds": costs.seconds, "row_overhead": costs.row_overhead}
     if not bad:
         try:

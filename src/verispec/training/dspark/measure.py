@@ -30,23 +30,15 @@ from verispec.data.eval_prompts import default_eval_dir, load_eval
 from verispec.errors import UserError
 
 
-
-def drafter_folder(spec: str) -> Path:
-    """`--drafter`: a checkpoint folder, a train run folder (its newest checkpoint), or the
-    name of a shipped drafter (what `--init-from` takes too)."""
-    from verispec.drafting.factory import named_drafter
-
-    return named_drafter(spec, "--drafter")
-
-
 def report_folder(spec: str, out: str | None) -> Path:
     """Where the report goes: `--out`, else beside the checkpoint; a shipped drafter's report
     goes to ./dspark-measure/NAME, never into the installed package."""
-    from verispec.drafting.factory import BUNDLED_DRAFTERS
+    from verispec.drafting.factory import BUNDLED_DRAFTERS, named_drafter
 
     if out:
         return Path(out)
-    return Path("dspark-measure") / spec if spec in BUNDLED_DRAFTERS else drafter_folder(spec)
+    return Path("dspark-measure") / spec if spec in BUNDLED_DRAFTERS else named_drafter(spec, "--drafter")
+
 
 def run_measure(args) -> int:
     import torch
@@ -58,6 +50,7 @@ def run_measure(args) -> int:
     from verispec.models.registry import DEFAULT_MODEL
     from verispec.models.tokenizer import encode_user_text
     from verispec.drafting.dspark.checkpoint import load_dspark
+    from verispec.drafting.factory import named_drafter
     from verispec.training.dspark.live import make_engine, run_live
     from verispec.drafting.dspark.source import DSparkProvider
     from verispec.engine.verify_schedule import SERVED as SERVED_SCHEDULE
@@ -69,7 +62,7 @@ def run_measure(args) -> int:
         raise UserError("no eval prompts found: pass --eval-dir (a folder of mt-bench.jsonl, gsm8k.jsonl, ...)")
     loaded = load_for_serving(args.model or DEFAULT_MODEL, args.dtype, args.kernels, args.quant,
                               progress=not args.quiet)
-    drafter = load_dspark(drafter_folder(args.drafter), target=loaded, dtype=drafter_dtype(args.dtype),
+    drafter = load_dspark(named_drafter(args.drafter, "--drafter"), target=loaded, dtype=drafter_dtype(args.dtype),
                           int8="auto")  # as served
     g = drafter.block_size
     plain = make_engine(loaded)
