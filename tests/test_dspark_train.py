@@ -382,3 +382,60 @@ def test_measure_takes_a_shipped_drafters_name_and_never_writes_into_the_package
     assert report_folder("gemma3-270m", str(tmp_path / "o")) == tmp_path / "o"
     with pytest.raises(UserError, match="--drafter .*smollm2-135m-instruct"):
         named_drafter(str(tmp_path / "missing"), "--drafter")
+
+
+def test_a_warm_restart_widens_the_draft_vocabulary_and_keeps_what_the_drafter_learnt(features, tmp_path, capsys):
+    """`--init-from D --draft-vocab N`, N above D's draft vocabulary: the most frequent answer
+    tokens D lacks join, and D's own computation is kept. Oracle: D itself. Driven along the
+    same tokens, the widened drafter's logits on D's rows and its confidences equal D's, from
+    anchors inside D's vocabulary, joining it, and outside both (a joining token embeds as the
+    outside row it was). Narrowing, or widening to the full vocabulary, is refused."""
+    from verispec.drafting.dspark.checkpoint import load_dspark
+    from verispec.models.loader import load_model
+
+    common = ["dspark", "train", "--features", str(features), *TRAIN, "--holdout", "2"]
+    vocab_at = common.index("--draft-vocab") + 1
+    narrow = list(common)
+    narrow[vocab_at] = "32"
+    assert main([*narrow, "--steps", "3", "--save-every", "3", "--lr", "3e-3", "--out", str(tmp_path / "base")]) == 0
+    wide = list(common)
+    wide[vocab_at] = "64"
+    capsys.readouterr()
+    # lr 0: AdamW leaves the weights where they started, so step 1 holds the widened starting weights
+    assert main([*wide, "--steps", "1", "--save-every", "1", "--lr", "0", "--init-from", str(tmp_path / "base" / "step_3"),
+                 "--out", str(tmp_path / "wide")]) == 0
+    assert "draft vocabulary 64, widened: it covers" in capsys.readouterr().err
+    target = load_model(str(ORACLE / "target"), dtype=torch.float32)
+    old = load_dspark(tmp_path / "base" / "step_3", target=target, prepare=False)
+    new = load_dspark(tmp_path / "wide" / "step_1", target=target, prepare=False)
+    old_ids, new_ids = old.draft_vocab_ids.tolist(), new.draft_vocab_ids.tolist()
+    assert len(old_ids) == 32 and len(new_ids) == 64 and set(old_ids) < set(new_ids) and new_ids == sorted(new_ids)
+    rows = torch.tensor([new_ids.index(t) for t in old_ids])  # each old token's row in the widened head
+
+    joining = [t for t in new_ids if t not in old_ids]
+    outside = [t for t in range(target.model.args.vocab_size) if t not in new_ids]
+    anchors = old_ids[:2] + joining[:2] + outside[:2]
+    h = torch.randn(len(anchors), old.block_size, old.config.args.hidden_size, generator=torch.Generator().manual_seed(1))
+    seen = {"old": [], "new": []}
+
+    def old_choice(j, logits):
+        seen["old"].append(logits)
+        return logits.argmax(-1)
+
+    def new_choice(j, logits):
+        seen["new"].append(logits[:, rows])
+        return rows[logits[:, rows].argmax(-1)]  # the token the old drafter picks, as a widened row
+
+    tokens_old, conf_old = old.propose(h, anchors, old_choice)
+    tokens_new, conf_new = new.propose(h, anchors, new_choice)
+    assert torch.equal(tokens_old, tokens_new)
+    torch.testing.assert_close(conf_new, conf_old, atol=1e-5, rtol=1e-5)
+    for a, b in zip(seen["new"], seen["old"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+    capsys.readouterr()
+    for size, says in (("16", "not narrowed"), ("0", "not to the full vocabulary")):
+        wide[vocab_at] = size
+        assert main([*wide, "--steps", "1", "--init-from", str(tmp_path / "base" / "step_3"),
+                     "--out", str(tmp_path / "refused")]) != 0
+        assert says in capsys.readouterr().err

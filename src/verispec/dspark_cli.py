@@ -123,9 +123,10 @@ a whole run for the default model (each command can be stopped and rerun; README
     tr.add_argument("--init-from", default=None, metavar="DRAFTER",
                     help="start a new run from this drafter's weights (a drafter folder, a train run folder, or a "
                          "bundled model's name such as smollm2-135m-instruct: its shipped drafter) with a fresh "
-                         "optimizer and schedule: a warm restart; its architecture and draft vocabulary replace "
-                         "--layers, --draft-vocab and the head options. Ignored when --out already holds a checkpoint "
-                         "(that run resumes)")
+                         "optimizer and schedule: a warm restart; its architecture replaces --layers and the head "
+                         "options. Its draft vocabulary is kept, or widened by a larger --draft-vocab (the most "
+                         "frequent answer tokens it lacks join; every token it had keeps its learnt rows). Ignored "
+                         "when --out already holds a checkpoint (that run resumes)")
     tr.add_argument("--layers", type=int, default=1, help="draft layers (default 1)")
     tr.add_argument("--block-size", type=int, default=7, help="gamma: tokens per proposal (default 7)")
     tr.add_argument("--markov-rank", type=int, default=64, help="Markov rank r (0: DFlash, no sequential head)")
@@ -134,8 +135,9 @@ a whole run for the default model (each command can be stopped and rerun; README
                     help="rows of the Markov head's previous-token embedding: draft (default) one per draft-vocabulary "
                          "token and one shared by all others; full one per target token, as DeepSpec (16.8M "
                          "parameters at rank 64 on Gemma's 262,144 tokens). Without a draft vocabulary it is full")
-    tr.add_argument("--draft-vocab", type=int, default=16384,
-                    help="draft head over the N most frequent answer tokens (default 16384; 0 = the full vocabulary)")
+    tr.add_argument("--draft-vocab", type=int, default=None,
+                    help="draft head over the N most frequent answer tokens (default 16384; 0 = the full vocabulary; "
+                         "with --init-from: default its drafter's, a larger N widens it)")
     tr.add_argument("--mask-token-id", type=int, default=16, help="an id the target never produces (default 16)")
     tr.add_argument("--anchors", type=int, default=48, help="anchor blocks per sequence (default 48)")
     tr.add_argument("--batch", type=int, default=16, help="sequences per optimizer step, all ranks (default 16)")

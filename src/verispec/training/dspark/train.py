@@ -63,6 +63,7 @@ from verispec.training.dspark.forward import block_labels, sample_anchors, train
 from verispec.training.dspark.loss import dspark_loss, weight_sums
 from verispec.training.dspark.precision import training_precision
 
+DEFAULT_DRAFT_VOCAB = 16384  # a fresh run's draft head rows (`--draft-vocab`)
 STATE = "trainer/state.safetensors"  # a subfolder: the model folder itself holds only the model
 
 
@@ -120,6 +121,60 @@ def warm_start(source: str, manifest: dict, target_folder: Path):
     if list(drafter.config.target_layer_ids) != list(manifest["target_layer_ids"]):
         raise UserError(f"--init-from {source}: the drafter reads target layers {list(drafter.config.target_layer_ids)}, "
                         f"the features hold {manifest['target_layer_ids']}")
+    return drafter
+
+
+def _widens(args, warm) -> bool:
+    """Whether `--draft-vocab` asks to widen the warm drafter's draft vocabulary (refused: narrowing
+    it, or widening it to the full vocabulary, which is another head layout)."""
+    size = getattr(args, "draft_vocab", None)
+    if size is None or warm.draft_vocab_ids is None:
+        return False
+    have = len(warm.draft_vocab_ids)
+    if size == 0 or size >= warm.config.args.vocab_size:
+        raise UserError(f"--init-from {args.init_from}: its draft vocabulary has {have} tokens; it can be widened to "
+                        f"a larger subset (--draft-vocab N, N < {warm.config.args.vocab_size}), not to the full vocabulary")
+    if size < have:
+        raise UserError(f"--init-from {args.init_from}: its draft vocabulary has {have} tokens; --draft-vocab {size} "
+                        "would drop some of them (it can be kept or widened, not narrowed)")
+    return size > have
+
+
+def widen_vocabulary(warm, vocab: torch.Tensor):
+    """A drafter like `warm` whose draft vocabulary is `vocab` (sorted target ids, a superset of
+    warm's). Every tensor over the draft vocabulary keeps each old token's row: the Markov head's
+    previous-token rows (a joining token takes the row it shared as an outside token, so it
+    embeds as before) and its output rows (a joining token starts at their mean). Head rows are
+    the target's, copied by `copy_frozen`. On the old tokens' rows the widened drafter computes
+    what `warm` did (tests/test_dspark_train.py checks it)."""
+    from verispec.drafting.dspark.config import DSparkConfig
+    from verispec.drafting.dspark.model import DSparkDrafter
+
+    old = warm.draft_vocab_ids.tolist()
+    where = {t: i for i, t in enumerate(old)}
+    source = torch.tensor([where.get(int(t), -1) for t in vocab.tolist()])
+    kept = source >= 0
+    if int(kept.sum()) != len(old):
+        raise ValueError("a widened draft vocabulary must hold every token of the old one")
+    drafter = DSparkDrafter(DSparkConfig.from_dict({**warm.config.raw, "draft_vocab_size": len(vocab)}))
+    state = warm.state_dict()
+    with torch.no_grad():
+        for name, new in drafter.state_dict().items():
+            w = state[name].to(new.dtype)
+            if name == "draft_vocab_ids":
+                new.copy_(vocab)
+            elif w.shape == new.shape:
+                new.copy_(w)
+            elif w.shape[1:] == new.shape[1:] and w.shape[0] == len(old) + 1 and new.shape[0] == len(vocab) + 1:
+                body = new[:-1]  # previous-token rows: the last is shared by every token outside
+                body[kept] = w[source[kept]]
+                body[~kept] = w[-1]
+                new[-1] = w[-1]
+            elif w.shape[1:] == new.shape[1:] and w.shape[0] == len(old) and new.shape[0] == len(vocab):
+                new[kept] = w[source[kept]]
+                new[~kept] = w.mean(dim=0)
+            else:
+                raise ValueError(f"{name}: no rule to widen {tuple(w.shape)} to {tuple(new.shape)}")
     return drafter
 
 
@@ -295,13 +350,19 @@ def setup(args) -> TrainRun:
     if latest is not None:
         config = DSparkConfig.from_dict(json.loads((latest / "config.json").read_text()))
     elif warm is not None:
+        coverage = None
+        if _widens(args, warm):
+            vocab, coverage = draft_vocabulary(cache, args.draft_vocab, always=warm.draft_vocab_ids.tolist())
+            warm = widen_vocabulary(warm, vocab)
         config = warm.config
         if world.main:
             print(f"train: starting from the weights of {args.init_from} ({config.args.num_layers} draft layers, "
-                  f"draft vocabulary {config.draft_vocab_size or 'full'}; its architecture, not --layers/--draft-vocab), "
-                  "a fresh optimizer and schedule", file=sys.stderr)
+                  f"draft vocabulary {config.draft_vocab_size or 'full'}"
+                  + (f", widened: it covers {coverage:.1%} of the answer tokens" if coverage is not None else "")
+                  + "; its architecture, not --layers), a fresh optimizer and schedule", file=sys.stderr)
     else:
         vocab = None
+        args.draft_vocab = DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab
         if args.draft_vocab and args.draft_vocab < manifest["vocab_size"]:
             eos = target_config.get("eos_token_id")
             vocab, coverage = draft_vocabulary(cache, args.draft_vocab,
