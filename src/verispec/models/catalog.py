@@ -157,8 +157,8 @@ REGISTRY: dict[str, CatalogEntry] = {
         # Google's recommended temperature 1.0
         sampling=(("temperature", 1.0), ("top_k", 64), ("top_p", 0.95)),
         # bench/scheduler.py --model gemma3-270m, mean over T 0/1 (recommended top-k/top-p) and
-        # 1-16 streams, AMD EPYC, 2026-12-05 (campaign stage 13): n-gram 1.09x no speculation,
-        # the composite with the shipped DSpark drafter 1.07x, the drafter alone 1.01x (README,
+        # 1-16 streams, AMD EPYC, 2026-12-05 (campaign stage 14): n-gram 1.085x no speculation,
+        # the composite with the shipped DSpark drafter 1.064x, the drafter alone 0.979x (README,
         # "Speculation by default")
         speculation="ngram",
     ),

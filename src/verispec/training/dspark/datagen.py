@@ -288,7 +288,8 @@ def run_datagen(args) -> int:
     engine = Engine(loaded.model, tokenizer, loaded.stop_ids, EngineConfig(max_rows=args.batch))
     if left_out:
         print(f"datagen: {left_out} prompts left out: they share an 8-word run with an eval prompt", file=sys.stderr)
-    print(f"datagen: {len(done)} answers already in {out}, {len(todo)} to generate "
+    where = f"{out} and the --packed packs" if getattr(args, "packed", None) else str(out)
+    print(f"datagen: {len(done)} answers already in {where}, {len(todo)} to generate "
           f"(max {args.max_tokens} new tokens, temperature {args.temperature}, top-p {args.top_p}, top-k {args.top_k})",
           file=sys.stderr)
     finished: list[tuple[dict, object]] = []
