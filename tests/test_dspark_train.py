@@ -405,6 +405,19 @@ def test_a_warm_restart_widens_the_draft_vocabulary_and_keeps_what_the_drafter_l
     assert main([*wide, "--steps", "1", "--save-every", "1", "--lr", "0", "--init-from", str(tmp_path / "base" / "step_3"),
                  "--out", str(tmp_path / "wide")]) == 0
     assert "draft vocabulary 64, widened: it covers" in capsys.readouterr().err
+    # without --draft-vocab the drafter's own is kept, and the run says what share of the data it covers
+    from verispec.training.dspark.features import FeatureCache
+
+    cache = FeatureCache([features])
+    answers = [int(t) for i in range(len(cache)) for t in cache.answer_tokens(i)]
+    base_ids = set(load_file(str(tmp_path / "base" / "step_3" / "model.safetensors"))["draft_vocab_ids"].tolist())
+    share = sum(t in base_ids for t in answers) / len(answers)
+    kept = list(common)
+    del kept[vocab_at - 1 : vocab_at + 1]
+    assert main([*kept, "--steps", "1", "--lr", "0", "--init-from", str(tmp_path / "base" / "step_3"),
+                 "--out", str(tmp_path / "kept")]) == 0
+    assert f"draft vocabulary 32, covering {share:.1%} of the answer tokens (a larger --draft-vocab widens it)" \
+        in capsys.readouterr().err
     target = load_model(str(ORACLE / "target"), dtype=torch.float32)
     old = load_dspark(tmp_path / "base" / "step_3", target=target, prepare=False)
     new = load_dspark(tmp_path / "wide" / "step_1", target=target, prepare=False)

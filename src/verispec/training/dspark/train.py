@@ -64,20 +64,30 @@ from verispec.training.dspark.loss import dspark_loss, weight_sums
 from verispec.training.dspark.precision import training_precision
 
 DEFAULT_DRAFT_VOCAB = 16384  # a fresh run's draft head rows (`--draft-vocab`)
+WIDEN_BELOW = 0.97  # a warm drafter whose vocabulary covers less of the data is told it can be widened
 STATE = "trainer/state.safetensors"  # a subfolder: the model folder itself holds only the model
+
+
+def answer_token_counts(cache) -> Counter:
+    counts = Counter()
+    for i in range(len(cache)):
+        counts.update(cache.answer_tokens(i))
+    return counts
+
+
+def vocabulary_coverage(counts: Counter, ids) -> float:
+    """The share of the counted answer tokens that `ids` hold."""
+    return sum(counts[int(t)] for t in ids) / max(1, sum(counts.values()))
 
 
 def draft_vocabulary(cache, size: int, always=()) -> tuple[torch.Tensor, float]:
     """The `size` most frequent answer tokens of the cache (and `always`), sorted ids, and
     the share of answer tokens they cover."""
-    counts = Counter()
-    for i in range(len(cache)):
-        counts.update(cache.answer_tokens(i))
+    counts = answer_token_counts(cache)
     must = {int(t) for t in always}
     chosen = [t for t, _ in counts.most_common(size) if t not in must][: size - len(must)]
     ids = sorted(set(chosen) | must)
-    coverage = sum(counts[t] for t in ids) / max(1, sum(counts.values()))
-    return torch.tensor(ids, dtype=torch.long), coverage
+    return torch.tensor(ids, dtype=torch.long), vocabulary_coverage(counts, ids)
 
 
 def init_drafter(drafter, target_folder: Path, std: float, seed: int) -> None:
@@ -350,16 +360,21 @@ def setup(args) -> TrainRun:
     if latest is not None:
         config = DSparkConfig.from_dict(json.loads((latest / "config.json").read_text()))
     elif warm is not None:
-        coverage = None
+        note = ""
         if _widens(args, warm):
-            vocab, coverage = draft_vocabulary(cache, args.draft_vocab, always=warm.draft_vocab_ids.tolist())
+            vocab, covered = draft_vocabulary(cache, args.draft_vocab, always=warm.draft_vocab_ids.tolist())
             warm = widen_vocabulary(warm, vocab)
+            note = f", widened: it covers {covered:.1%} of the answer tokens"
+        elif warm.draft_vocab_ids is not None:
+            covered = vocabulary_coverage(answer_token_counts(cache), warm.draft_vocab_ids.tolist())
+            note = f", covering {covered:.1%} of the answer tokens"
+            if covered < WIDEN_BELOW:  # a token outside the draft vocabulary can never be drafted
+                note += " (a larger --draft-vocab widens it)"
         config = warm.config
         if world.main:
             print(f"train: starting from the weights of {args.init_from} ({config.args.num_layers} draft layers, "
-                  f"draft vocabulary {config.draft_vocab_size or 'full'}"
-                  + (f", widened: it covers {coverage:.1%} of the answer tokens" if coverage is not None else "")
-                  + "; its architecture, not --layers), a fresh optimizer and schedule", file=sys.stderr)
+                  f"draft vocabulary {config.draft_vocab_size or 'full'}{note}"
+                  "; its architecture, not --layers), a fresh optimizer and schedule", file=sys.stderr)
     else:
         vocab = None
         args.draft_vocab = DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab
