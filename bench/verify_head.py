@@ -21,16 +21,6 @@ import time
 import torch
 
 
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", "-m", default="gemma3-270m")
@@ -40,6 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from verispec.models.decoder import BatchKV
+    from verispec.models.kernel_plan import cpu_name
     from verispec.models.loader import load_for_serving
 
     model = load_for_serving(args.model, progress=False).model
