@@ -37,7 +37,7 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     cases = [("plain step", 1, 1)]
     for n in sizes:
-        cases += [(f"verify {n}, head at {k}", n, k) for k in (n, 2, 1) if k <= n]
+        cases += [(f"verify {n}, head at {k}", n, k) for k in sorted({n, 2, 1}, reverse=True) if k <= n]
     cache = model.new_cache()
     seq = cache.allocate(64 + max(sizes) + 1)
     ids = torch.randint(0, model.args.vocab_size, (64 + max(sizes),))

@@ -129,6 +129,36 @@ def test_a_rows_logits_do_not_depend_on_the_batch(folders, family):
     assert torch.equal(_logits_of(model, prompt, cont, [3, 9], beside=[2, 4, 6, 8, 10, 12, 14]), single)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_amx_kernel_decodes_like_transformers_and_batch_invariantly(folders, family, monkeypatch):
+    """bf16amx (AMX tiles) for every matrix, whatever the timings would choose here: the
+    transformers oracle as above, and a row's logits bit-equal one token at a time, as
+    verify blocks, and beside another row's prefill."""
+    if not kernels.load().bf16amx():
+        pytest.skip("no AMX-BF16 on this CPU (or the OS refused the tile state)")
+    real = kernel_plan.candidates
+    monkeypatch.setattr(kernel_plan, "candidates",
+                        lambda dtype, fmt: ["bf16amx"] if fmt is None and dtype == torch.bfloat16 else real(dtype, fmt))
+    folder, reference = folders[family]
+    model = _bf16_invariant(folder)
+    assert set(model.kernel_plan.linear.values()) == {"bf16amx"} and model.kernel_plan.invariant
+    ids = [3, 17, 42, 5, 88, 13, 2, 61, 9, 30, 77, 4]
+    truth = reference_logits(reference, ids)
+    ours = model(torch.tensor(ids), BatchKV([model.new_cache().allocate(32)], [len(ids)]),
+                 logits_at=torch.arange(len(ids))).logits
+    legacy = load_folder(folder, dtype=torch.bfloat16)  # PyTorch's kernels, bf16: what bf16 costs anyway
+    theirs = legacy(torch.tensor(ids), BatchKV([legacy.new_cache().allocate(32)], [len(ids)]),
+                    logits_at=torch.arange(len(ids))).logits
+    ours_err, bf16_err = (ours - truth).abs().max().item(), (theirs - truth).abs().max().item()
+    assert ours_err <= max(2.5 * bf16_err, 0.05), (ours_err, bf16_err)
+    assert (ours.argmax(-1) == truth.argmax(-1)).float().mean() >= 0.9
+    prompt, cont = [5, 9, 14, 22, 31, 40], [7, 1, 60, 33, 12, 90, 45, 8, 19, 27, 3, 55]
+    single = _logits_of(model, prompt, cont, [1] * 12)
+    for chunks in ([9, 3], [4, 4, 4], [2, 5, 5]):
+        assert torch.equal(_logits_of(model, prompt, cont, chunks), single), chunks
+    assert torch.equal(_logits_of(model, prompt, cont, [3, 9], beside=[2, 4, 6, 8, 10, 12, 14]), single)
+
+
 def test_a_plan_is_measured_once_and_reused_until_its_key_changes(folders, monkeypatch):
     folder = folders["llama"][0]
     calls = []

@@ -19,9 +19,11 @@ import torch.nn.functional as F
 from verispec import kernels
 from verispec.models.quant import (
     deinterleave4,
+    deinterleave_amx,
     dequantize,
     interleave4,
     interleave16_blocks,
+    interleave_amx,
     quantize,
 )
 
@@ -68,6 +70,7 @@ def test_block_formats_round_trip_and_match_gguf(fmt):
 def test_interleaved_layouts_hold_the_same_rows():
     w = _weights(130, 96).to(torch.bfloat16)
     assert torch.equal(deinterleave4(interleave4(w), 130, 96), w.float())
+    assert torch.equal(deinterleave_amx(interleave_amx(w), 130, 96), w.float())
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -118,6 +121,19 @@ def test_bf16_kernel_is_a_bf16_product_with_float32_sums(mod):
     assert torch.equal(mod.bf16_linear(x, interleave4(w), bias, 130, False), y.to(torch.bfloat16))
 
 
+def test_amx_kernel_is_a_bf16_product_with_float32_sums(mod):
+    if not mod.bf16amx():
+        pytest.skip("no AMX-BF16 on this CPU (or the OS refused the tile state)")
+    for n, k, m in [(130, 96, 9), (64, 320, 1), (200, 64, 17)]:  # padded groups, one row, two row tiles
+        w = _weights(n, k).to(torch.bfloat16)
+        x = _rows(m, k, dtype=torch.bfloat16)
+        bias = torch.randn(n)
+        y = mod.bf16amx_linear(x, interleave_amx(w), bias, n, True)
+        ref = x.double() @ w.double().T + bias.double()
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(mod.bf16amx_linear(x, interleave_amx(w), bias, n, False), y.to(torch.bfloat16))
+
+
 def _kernel_calls(mod):
     calls = {}
     for fmt in ("q4_1", "q8_0", "bf16"):
@@ -129,6 +145,8 @@ def _kernel_calls(mod):
                 x, interleave16_blocks(quantize(w, fmt), fmt), None, kernels.FORMATS[fmt], w.shape[0], isa))
     if mod.bf16dot():
         calls["bf16dot"] = (torch.bfloat16, lambda x, w: mod.bf16_linear(x, interleave4(w), None, w.shape[0], False))
+    if mod.bf16amx():
+        calls["bf16amx"] = (torch.bfloat16, lambda x, w: mod.bf16amx_linear(x, interleave_amx(w), None, w.shape[0], False))
     return calls
 
 

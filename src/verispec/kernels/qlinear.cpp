@@ -16,6 +16,9 @@
 // decoded alone, beside other rows, or as one position of a verify block gives bit-equal
 // logits, which is what makes speculative decoding token-identical in these formats.
 //
+// bf16 weights have two kernels: bf16dot (AVX512-BF16 dot instructions) and bf16amx (AMX
+// tiles, where the CPU has them), each batch-invariant on its own (their sections say how).
+//
 // ISA dispatch at run time: an AVX-512 path (AVX512F + AVX512BW, F16C) and an AVX2 + FMA
 // path are compiled into the same object with target attributes; `best_isa()` picks one by
 // __builtin_cpu_supports. Both compute the same operations per element (the AVX2 path keeps
@@ -31,6 +34,9 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace {
 
@@ -367,6 +373,142 @@ bool has_avx512bf16() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
          __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
+
+
+// ---------------------------------------------------------------------------- AMX-BF16
+//
+// The same model as bf16dot (bf16 weights and activations, float32 sums), computed by
+// Intel AMX tiles where the CPU has them: TDPBF16PS multiplies a 16-row tile of x by a
+// 16-column tile of weights, 32 values of K at a time, adding each element's 32 products
+// pairwise into its float32 accumulator, in K order. A tile instruction costs the same for
+// 1 row as for 16, so a 9-token verify block reads the weights once at nearly a 1-row
+// price (bf16dot's cost grows with the rows: one dot instruction per row per block).
+//
+// Batch-invariant by construction: x is copied into zero-padded 16-row tiles, so every
+// call runs with one tile configuration (16 rows), and each output element is the same
+// chain of tile instructions over its K blocks in order, whatever M is and whichever rows
+// share its tile (a tile row's sums never mix with another row's). Its sums associate
+// differently from bf16dot's (pairs in K order, not 16 lanes and a tree), so it is a
+// kernel of its own: a plan uses one of the two for every forward.
+//
+// Weights (quant.py interleave_amx): columns in groups of 64 (N padded with zero rows),
+// each group stored K block by K block as four 1 KB tiles, one per 16 columns, in AMX's
+// pair layout (tile row p holds, for each of its 16 columns, the values at 2p and 2p + 1
+// of the block), so a group is read strictly in memory order.
+
+struct TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+constexpr int AMX_ROWS = 16;
+constexpr int AMX_GROUP = 64;  // output columns per group: four 16-column tiles
+constexpr int AMX_TILE_BYTES = 1024;
+constexpr int AMX_PREFETCH = 2;  // K blocks ahead of the tiles being read
+
+int amx_state = -1;  // -1 unknown, 0 no, 1 ready
+
+// AMX-TILE and AMX-BF16 in CPUID (leaf 7, EDX bits 24 and 22), AVX512-BF16 for the
+// epilogue, and the kernel's permission to use the tile state (Linux asks each process
+// to request it: arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA)
+bool has_amx_bf16() {
+  if (amx_state >= 0) return amx_state == 1;
+  amx_state = 0;
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!has_avx512bf16() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!((d >> 24) & 1) || !((d >> 22) & 1)) return false;
+#ifdef SYS_arch_prctl
+  if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return false;
+  amx_state = 1;
+#endif
+  return amx_state == 1;
+}
+
+// 16 floats -> bf16, round to nearest even (NaN kept a NaN), as float_to_bf16_rne
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+inline __m256i bf16_rne16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  const __mmask16 is_nan =
+      _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, is_nan, nan));
+}
+
+// one K block of a group: x's tile into tmm4, the four weight tiles through the three
+// registers named (one register is reused; which one rotates over three blocks, so a load
+// never waits on the instruction just issued)
+#define AMX_BLOCK(kb, r0, r1, r2, r3)                                                                 \
+  {                                                                                                   \
+    const uint8_t* wt = wg + (kb) * 4 * AMX_TILE_BYTES;                                               \
+    for (int l = 0; l < 4 * AMX_TILE_BYTES / 64; l++)                                                 \
+      _mm_prefetch((const char*)wt + AMX_PREFETCH * 4 * AMX_TILE_BYTES + l * 64, _MM_HINT_T0);       \
+    _tile_loadd(4, xt + (kb) * BLOCK, K * 2);                                                         \
+    _tile_loadd(r0, wt, 64);                                                                          \
+    _tile_dpbf16ps(0, 4, r0);                                                                         \
+    _tile_loadd(r1, wt + AMX_TILE_BYTES, 64);                                                         \
+    _tile_dpbf16ps(1, 4, r1);                                                                         \
+    _tile_loadd(r2, wt + 2 * AMX_TILE_BYTES, 64);                                                     \
+    _tile_dpbf16ps(2, 4, r2);                                                                         \
+    _tile_loadd(r3, wt + 3 * AMX_TILE_BYTES, 64);                                                     \
+    _tile_dpbf16ps(3, 4, r3);                                                                         \
+  }
+
+// groups g0..g1 of the output columns, for every 16-row tile of the padded x [MP, K]
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
+void kernel_bf16amx(const uint16_t* xpad, int64_t MP, const uint8_t* w, const float* bias, void* y, bool y_bf16,
+                    int64_t M, int64_t N, int64_t K, int64_t g0, int64_t g1) {
+  const int64_t KB = K / BLOCK;
+  alignas(64) TileConfig cfg;
+  std::memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 8; t++) {
+    cfg.rows[t] = AMX_ROWS;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  alignas(64) float out[4][AMX_ROWS][16];
+  for (int64_t g = g0; g < g1; g++) {
+    const uint8_t* wg = w + g * KB * 4 * AMX_TILE_BYTES;
+    for (int64_t m0 = 0; m0 < MP; m0 += AMX_ROWS) {
+      const uint16_t* xt = xpad + m0 * K;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      int64_t kb = 0;
+      for (; kb + 3 <= KB; kb += 3) {
+        AMX_BLOCK(kb, 5, 6, 7, 5)
+        AMX_BLOCK(kb + 1, 6, 7, 5, 6)
+        AMX_BLOCK(kb + 2, 7, 5, 6, 7)
+      }
+      for (; kb < KB; kb++) AMX_BLOCK(kb, 5, 6, 7, 5)
+      _tile_stored(0, out[0], 64);
+      _tile_stored(1, out[1], 64);
+      _tile_stored(2, out[2], 64);
+      _tile_stored(3, out[3], 64);
+      const int64_t rows = std::min<int64_t>(AMX_ROWS, M - m0);
+      for (int c = 0; c < 4; c++) {
+        const int64_t n = g * AMX_GROUP + c * 16;
+        if (n >= N) break;
+        const __mmask16 valid = N - n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1);
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(valid, bias + n) : _mm512_setzero_ps();
+        for (int64_t r = 0; r < rows; r++) {
+          const __m512 v = _mm512_add_ps(_mm512_load_ps(out[c][r]), bv);
+          const int64_t at = (m0 + r) * N + n;
+          if (y_bf16) _mm256_mask_storeu_epi16((uint16_t*)y + at, valid, bf16_rne16(v));
+          else _mm512_mask_storeu_ps((float*)y + at, valid, v);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#undef AMX_BLOCK
 
 
 // ---------------------------------------------------------------------------- attention
@@ -1019,6 +1161,42 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   return y;
 }
 
+// x bf16 [M, K], w the AMX groups (quant.py interleave_amx) as uint8; out bf16 (or float32)
+torch::Tensor bf16amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t N,
+                             bool out_float) {
+  TORCH_CHECK(has_amx_bf16(), "this CPU (or its kernel) offers no AMX-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "x must be a 2-D bfloat16 tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % BLOCK == 0, "K must be a multiple of 32");
+  const int64_t groups = (N + AMX_GROUP - 1) / AMX_GROUP;
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == groups * AMX_GROUP * K * 2,
+              "w must hold the AMX groups (N rounded up to 64)");
+  const float* bptr = nullptr;
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(torch::kFloat32).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias must have N elements");
+    bptr = b.data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options().dtype(out_float ? torch::kFloat32 : torch::kBFloat16));
+  if (M == 0) return y;
+  // x in whole 16-row tiles, the padding rows zero: one tile shape for every call (a
+  // buffer kept per calling thread: a fresh tensor per call cost ~1 us of a 1-row call)
+  const int64_t MP = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+  thread_local std::vector<uint16_t> xpad;
+  if ((int64_t)xpad.size() < MP * K) xpad.resize(MP * K);
+  x = x.contiguous();
+  std::memcpy(xpad.data(), x.data_ptr(), M * K * 2);
+  std::memset(xpad.data() + M * K, 0, (MP - M) * K * 2);
+  const uint16_t* xp = xpad.data();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  void* yp = y.data_ptr();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    kernel_bf16amx(xp, MP, wp, bptr, yp, !out_float, M, N, K, g0, g1);
+  });
+  return y;
+}
+
 // q [n, H, D], k and v [G, S, D] float32 (G KV heads, H a multiple of G), mask [n, S]
 // bool (true = attend) or undefined (every key); returns [n, H, D] float32
 // x float32 [M, K]; w the 16-interleaved q4_1 / q8_0 tiles (N rounded up to 16)
@@ -1402,6 +1580,7 @@ torch::Tensor attend_cached(torch::Tensor q, torch::Tensor k_new, torch::Tensor 
 
 int64_t isa() { return best_isa(); }
 bool bf16dot() { return has_avx512bf16(); }
+bool bf16amx() { return has_amx_bf16(); }
 bool vnni() { return has_vnni(); }
 int64_t int8dot() { return has_vnni() ? VNNI : best_isa() >= AVX2 ? AVX2 : 0; }
 
@@ -1421,4 +1600,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_cached", &attend_cached, "write a row's K/V into its cache, then attend (float32)");
   m.def("attention", &attention, "attention computed per (query, head), batch-invariant");
   m.def("bf16dot", &bf16dot, "whether the AVX512-BF16 kernel runs here");
+  m.def("bf16amx", &bf16amx, "whether the AMX-BF16 kernel runs here (CPU and kernel permission)");
+  m.def("bf16amx_linear", &bf16amx_linear, "bf16 x bf16 linear with float32 sums on AMX tiles (batch-invariant)");
 }

@@ -34,6 +34,9 @@ What is chosen:
   matrices, and served speculation there could change tokens). PLAN_VERSION 4: the
   int8-activation kernels are `-i8` (VNNI or AVX2) and a bf16 model has `bf16rows` where
   AVX512-BF16 is missing, so an AVX2-only host has an invariant plan for both models.
+  PLAN_VERSION 5: a bf16 matrix may take `bf16amx` where the CPU has AMX (batch-invariant
+  too; a 9-row verify block costs it ~1.2 single rows where bf16dot's costs ~2.5: on the
+  Intel AMX host, what Gemma-3's verify forwards paid most for).
 
 Checked by tests/test_kernel_plan.py (a plan is cached and reused, invalidated by its key;
 forced modes; lossless quantization found exactly where it exists) and, end to end, by
@@ -52,15 +55,15 @@ from pathlib import Path
 import torch
 
 from verispec.models import profiles
-from verispec.models.linear import Linear, kernel_runs
+from verispec.models.linear import Linear, amx_allowed, kernel_runs
 
-PLAN_VERSION = 4
+PLAN_VERSION = 5
 VERIFY_ROWS = 9  # a verify block: 8 drafts + the pending token (the engine's default)
 MEMORY_BYTES = 48 * 2**20  # weight copies per timing, so a decode-like read comes from DRAM
 MAX_COPIES = 24
 MODES = ("auto", "invariant", "fastest", "onednn")
 QUANTS = ("auto", "none", "q8_0", "q4_1")
-INVARIANT = {"bf16dot", "bf16rows", "q8_0", "q4_1", "q8_0-i8", "q4_1-i8"}  # by construction (kernels/qlinear.cpp)
+INVARIANT = {"bf16dot", "bf16amx", "bf16rows", "q8_0", "q4_1", "q8_0-i8", "q4_1-i8"}  # by construction (kernels/qlinear.cpp)
 
 
 @dataclass
@@ -121,7 +124,7 @@ def plan_key(model, dtype: torch.dtype, quant: str, mode: str) -> dict:
     shapes = {role: [list(shape) for shape in sorted(set(found))] for role, found in _role_shapes(model).items()}
     return {"version": PLAN_VERSION, "cpu": cpu_name(), "flags": cpu_flags(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."), "quant": quant,
-            "mode": mode, "shapes": shapes, "kernels": digest,
+            "mode": mode, "shapes": shapes, "kernels": digest, "amx": amx_allowed(),
             "attention": [model.args.num_heads, model.args.num_kv_heads, model.args.head_dim,
                           list(model.args.layer_head_dims), list(model.args.layer_kv_heads)]}
 
@@ -146,7 +149,7 @@ def _copies(weight: torch.Tensor, kernel: str, dtype: torch.dtype) -> list[Linea
     out = []
     for _ in range(n):
         layer = Linear(weight.shape[1], weight.shape[0])
-        layer.weight = torch.nn.Parameter(weight.to(dtype if kernel in ("aten", "onednn", "bf16dot", "bf16rows") else torch.float32)
+        layer.weight = torch.nn.Parameter(weight.to(dtype if kernel in ("aten", "onednn", "bf16dot", "bf16amx", "bf16rows") else torch.float32)
                                           .clone(), requires_grad=False)
         if not layer.use(kernel):
             return []
@@ -233,7 +236,7 @@ def lossless_formats(model) -> dict[str, str]:
 def candidates(dtype: torch.dtype, fmt: str | None) -> list[str]:
     if fmt is not None:
         return [k for k in (f"{fmt}-i8", fmt) if kernel_runs(k, dtype)]
-    base = ["bf16dot", "bf16rows", "onednn", "aten"] if dtype == torch.bfloat16 else ["onednn", "aten"]
+    base = ["bf16amx", "bf16dot", "bf16rows", "onednn", "aten"] if dtype == torch.bfloat16 else ["onednn", "aten"]
     return [k for k in base if kernel_runs(k, dtype)]
 
 
@@ -303,7 +306,7 @@ def measure_plan(model, dtype: torch.dtype, quant: str = "auto", mode: str = "au
         note = ("fastest kernels" + (f" (--kernels fastest): batch invariance would cost {cost:+.1%}"
                                      if cost is not None else ": no batch-invariant plan runs here"))
     is_invariant = all(k in INVARIANT for k in choice.values()) and att == "invariant"
-    used = {r: formats.get(r, str(dtype).removeprefix("torch.")) if choice[r] in INVARIANT - {"bf16dot"}
+    used = {r: formats.get(r, str(dtype).removeprefix("torch.")) if choice[r] in INVARIANT - {"bf16dot", "bf16amx"}
             else str(dtype).removeprefix("torch.") for r in choice}
     return KernelPlan(choice, att, is_invariant, used, timings, attention, {}, note, round(total(choice, att), 1))
 

@@ -14,6 +14,10 @@ machine it runs on, and caches the choice):
               the row count its invariance probe found safe;
 * `bf16dot`   verispec's AVX512-BF16 kernel (kernels/qlinear.cpp): bf16 x bf16 with
               float32 sums, batch-invariant by construction;
+* `bf16amx`   verispec's AMX-BF16 kernel (Intel AMX tiles, kernels/qlinear.cpp): the
+              same bf16 x bf16 model with float32 sums, one tile instruction per 16 rows,
+              so a verify block costs about what one row does; batch-invariant by
+              construction (its sums associate differently from bf16dot's);
 * `bf16rows`  verispec's float kernel over bf16 weight rows for a bf16 model on a CPU
               without AVX512-BF16 (AVX2 or AVX-512F): activations widened to float32
               (exact), products and sums in float32, batch-invariant by construction;
@@ -35,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNELS = ("aten", "onednn", "bf16dot", "bf16rows", "q8_0", "q4_1", "q8_0-i8", "q4_1-i8")  # + "onednn:C"
+KERNELS = ("aten", "onednn", "bf16dot", "bf16amx", "bf16rows", "q8_0", "q4_1", "q8_0-i8", "q4_1-i8")  # + "onednn:C"
 QUANT_FORMATS = ("q8_0", "q4_1")
 
 
@@ -65,6 +69,12 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def amx_allowed() -> bool:
+    """Whether plans may use AMX tiles (VERISPEC_NO_AMX=1 keeps them to AVX-512: a
+    machine's AVX-512 plan, to compare against, or to rule AMX out)."""
+    return os.environ.get("VERISPEC_NO_AMX") != "1"
+
+
 def kernel_runs(kernel: str, dtype: torch.dtype) -> bool:
     """Whether `kernel` can compute a `dtype` model on this machine."""
     base = kernel.split(":")[0]
@@ -79,6 +89,8 @@ def kernel_runs(kernel: str, dtype: torch.dtype) -> bool:
     mod = kernels.load()
     if base == "bf16dot":
         return dtype == torch.bfloat16 and bool(mod.bf16dot())
+    if base == "bf16amx":
+        return dtype == torch.bfloat16 and amx_allowed() and bool(mod.bf16amx())
     if base == "bf16rows":
         return dtype == torch.bfloat16
     if base.endswith("-i8"):
@@ -120,13 +132,15 @@ class Linear(nn.Module):
             self.packed, self.chunk = packed, int(chunk or 0)
         else:
             from verispec import kernels
-            from verispec.models.quant import interleave4, interleave16_blocks, quantize
+            from verispec.models.quant import interleave4, interleave16_blocks, interleave_amx, quantize
 
-            if not kernel_runs(base, dense.dtype):
+            if not kernel_runs(base, dense.dtype) or dense.shape[1] % 32:
                 return False
-            fmt = "bf16" if base in ("bf16dot", "bf16rows") else base.removesuffix("-i8")
+            fmt = "bf16" if base in ("bf16dot", "bf16amx", "bf16rows") else base.removesuffix("-i8")
             if base == "bf16dot":
                 self.blocks = interleave4(dense)
+            elif base == "bf16amx":
+                self.blocks = interleave_amx(dense)
             elif base.endswith("-i8"):
                 self.blocks = interleave16_blocks(quantize(dense, fmt), fmt)
             else:
@@ -167,8 +181,8 @@ def _kernel_call(layer: Linear):
     mod = kernels.load()
     blocks, bias, n, fmt = layer.blocks, layer.bias, layer.out_features, layer._fmt
     float_out = layer.float_out
-    if layer.kernel == "bf16dot":
-        fn = mod.bf16_linear
+    if layer.kernel in ("bf16dot", "bf16amx"):
+        fn = mod.bf16_linear if layer.kernel == "bf16dot" else mod.bf16amx_linear
         return lambda x: fn(x, blocks, bias, n, float_out)
     if layer._isa == 3:
         fn = mod.qlinear16

@@ -46,6 +46,28 @@ def interleave4(weight: torch.Tensor) -> torch.Tensor:
     return tiles.view(torch.uint8).reshape(-1)
 
 
+def interleave_amx(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 -> uint8 in the bf16amx kernel's layout: columns in groups of 64 (N
+    padded with zero rows to a multiple of 64), each group stored K block by K block as
+    four 16-column tiles; tile row p holds, for each of its columns, the block's values
+    at 2p and 2p + 1 (AMX's pair layout for the weight operand)."""
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"the AMX layout needs inputs in blocks of {BLOCK}, got {k}")
+    pad = (-n) % 64
+    w = weight.detach().to(torch.bfloat16)
+    if pad:
+        w = torch.cat([w, torch.zeros(pad, k, dtype=torch.bfloat16)])
+    # [group, tile, column, block, pair, 2] -> [group, block, tile, pair, column, 2]
+    groups = w.reshape(-1, 4, 16, k // BLOCK, BLOCK // 2, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+    return groups.view(torch.uint8).reshape(-1)
+
+
+def deinterleave_amx(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    groups = blocks.view(torch.bfloat16).reshape(-1, k // BLOCK, 4, BLOCK // 2, 16, 2).permute(0, 2, 4, 1, 3, 5)
+    return groups.reshape(-1, k)[:n].float()
+
+
 def deinterleave4(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
     tiles = blocks.view(torch.bfloat16).reshape(-1, k // BLOCK, 4, BLOCK).permute(0, 2, 1, 3)
     return tiles.reshape(-1, k)[:n].float()
