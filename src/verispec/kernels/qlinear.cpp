@@ -1087,6 +1087,14 @@ int64_t row_bytes_for(int fmt, int64_t K) {
 
 }  // namespace
 
+// a linear's optional bias as float32 (kept alive by `holder`), or nullptr
+static const float* float_bias(const c10::optional<torch::Tensor>& bias, int64_t N, torch::Tensor& holder) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  holder = bias->to(torch::kFloat32).contiguous();
+  TORCH_CHECK(holder.numel() == N, "bias must have N elements");
+  return holder.data_ptr<float>();
+}
+
 // isa: -1 the best float kernel for this CPU, 0 scalar, 1 avx2, 2 avx512 (float activations);
 // 3 VNNI (int8 activations; q4_1 and q8_0 only; a different numerical model, see above)
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t fmt, int64_t N,
@@ -1099,13 +1107,8 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Ten
   TORCH_CHECK(K % BLOCK == 0, "K must be a multiple of 32");
   const int64_t row_bytes = row_bytes_for((int)fmt, K);
   TORCH_CHECK(w.numel() == N * row_bytes, "w has ", w.numel(), " bytes, expected ", N * row_bytes);
-  const float* bptr = nullptr;
   torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->to(torch::kFloat32).contiguous();
-    TORCH_CHECK(b.numel() == N, "bias must have N elements");
-    bptr = b.data_ptr<float>();
-  }
+  const float* bptr = float_bias(bias, N, b);
   auto y = torch::empty({M, N}, x.options());
   if (isa == VNNI) {
     TORCH_CHECK(fmt != BF16, "the VNNI kernel reads q4_1 and q8_0 weights only");
@@ -1143,12 +1146,8 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   TORCH_CHECK(K % BLOCK == 0, "K must be a multiple of 32");
   const int64_t n_pad = (N + 3) / 4 * 4;
   TORCH_CHECK(w.numel() == n_pad * K * 2, "w must hold the 4-interleaved rows (N rounded up to 4)");
-  const float* bptr = nullptr;
   torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->to(torch::kFloat32).contiguous();
-    bptr = b.data_ptr<float>();
-  }
+  const float* bptr = float_bias(bias, N, b);
   auto y = torch::empty({M, N}, x.options().dtype(out_float ? torch::kFloat32 : torch::kBFloat16));
   const uint16_t* xp = (const uint16_t*)x.data_ptr();
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -1171,13 +1170,8 @@ torch::Tensor bf16amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<tor
   const int64_t groups = (N + AMX_GROUP - 1) / AMX_GROUP;
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == groups * AMX_GROUP * K * 2,
               "w must hold the AMX groups (N rounded up to 64)");
-  const float* bptr = nullptr;
   torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->to(torch::kFloat32).contiguous();
-    TORCH_CHECK(b.numel() == N, "bias must have N elements");
-    bptr = b.data_ptr<float>();
-  }
+  const float* bptr = float_bias(bias, N, b);
   auto y = torch::empty({M, N}, x.options().dtype(out_float ? torch::kFloat32 : torch::kBFloat16));
   if (M == 0) return y;
   // x in whole 16-row tiles, the padding rows zero: one tile shape for every call (a
@@ -1217,13 +1211,8 @@ torch::Tensor qlinear16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
   const int64_t tb = fmt == Q4_1 ? Q4X16_BYTES : Q8X16_BYTES;
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == tiles * nb * tb,
               "w must hold the 16-interleaved tiles");
-  const float* bptr = nullptr;
   torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->to(torch::kFloat32).contiguous();
-    TORCH_CHECK(b.numel() == N, "bias must have N elements");
-    bptr = b.data_ptr<float>();
-  }
+  const float* bptr = float_bias(bias, N, b);
   QuantizedRows xq;
   quantize_rows(x.data_ptr<float>(), M, K, xq);
   auto y = torch::empty({M, N}, x.options());

@@ -305,7 +305,9 @@ def measure_plan(model, dtype: torch.dtype, quant: str = "auto", mode: str = "au
         choice, att = fastest, fastest_att
         note = ("fastest kernels" + (f" (--kernels fastest): batch invariance would cost {cost:+.1%}"
                                      if cost is not None else ": no batch-invariant plan runs here"))
-    is_invariant = all(k in INVARIANT for k in choice.values()) and att == "invariant"
+    # matrices outside the plan (gemma4's) keep a model from being invariant even when the
+    # fastest kernels of every role happen to be invariant ones (bf16amx often is on AMX)
+    is_invariant = all(k in INVARIANT for k in choice.values()) and att == "invariant" and not unplanned
     used = {r: formats.get(r, str(dtype).removeprefix("torch.")) if choice[r] in INVARIANT - {"bf16dot", "bf16amx"}
             else str(dtype).removeprefix("torch.") for r in choice}
     return KernelPlan(choice, att, is_invariant, used, timings, attention, {}, note, round(total(choice, att), 1))
