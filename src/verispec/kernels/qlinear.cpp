@@ -284,16 +284,22 @@ inline __m128 reduce4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
   return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), z));
 }
 
-// float -> bf16, round to nearest even, exactly as float_to_bf16_rne (NaN kept a NaN)
+// 16 floats -> bf16, round to nearest even (NaN kept a NaN), as float_to_bf16_rne
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+inline __m256i bf16_rne16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  const __mmask16 is_nan =
+      _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, is_nan, nan));
+}
+
+// four floats -> bf16 in the low 64 bits, by the same operations (the other lanes unused)
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")))
 inline __m128i bf16_rne4(__m128 v) {
-  __m128i bits = _mm_castps_si128(v);
-  __m128i lsb = _mm_and_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(1));
-  __m128i rounded = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(bits, _mm_set1_epi32(0x7fff)), lsb), 16);
-  __m128i nan = _mm_or_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(0x40));
-  __mmask8 is_nan = _mm_cmpgt_epi32_mask(_mm_and_si128(bits, _mm_set1_epi32(0x7fffffff)), _mm_set1_epi32(0x7f800000));
-  __m128i out = _mm_mask_mov_epi32(rounded, is_nan, nan);
-  return _mm_cvtepi32_epi16(out);  // low 16 bits of each lane
+  return _mm256_castsi256_si128(bf16_rne16(_mm512_castps128_ps512(v)));
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")))
@@ -425,18 +431,6 @@ bool has_amx_bf16() {
   amx_state = 1;
 #endif
   return amx_state == 1;
-}
-
-// 16 floats -> bf16, round to nearest even (NaN kept a NaN), as float_to_bf16_rne
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-inline __m256i bf16_rne16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-  const __mmask16 is_nan =
-      _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, is_nan, nan));
 }
 
 // one K block of a group: x's tile into tmm4, the four weight tiles through the three

@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 from verispec.models import profiles
-from verispec.models.linear import Linear, amx_allowed, kernel_runs
+from verispec.models.linear import BF16_KERNELS, Linear, amx_allowed, kernel_runs
 
 PLAN_VERSION = 5
 VERIFY_ROWS = 9  # a verify block: 8 drafts + the pending token (the engine's default)
@@ -149,7 +149,7 @@ def _copies(weight: torch.Tensor, kernel: str, dtype: torch.dtype) -> list[Linea
     out = []
     for _ in range(n):
         layer = Linear(weight.shape[1], weight.shape[0])
-        layer.weight = torch.nn.Parameter(weight.to(dtype if kernel in ("aten", "onednn", "bf16dot", "bf16amx", "bf16rows") else torch.float32)
+        layer.weight = torch.nn.Parameter(weight.to(dtype if kernel in ("aten", "onednn", *BF16_KERNELS) else torch.float32)
                                           .clone(), requires_grad=False)
         if not layer.use(kernel):
             return []

@@ -41,6 +41,7 @@ from torch import nn
 
 KERNELS = ("aten", "onednn", "bf16dot", "bf16amx", "bf16rows", "q8_0", "q4_1", "q8_0-i8", "q4_1-i8")  # + "onednn:C"
 QUANT_FORMATS = ("q8_0", "q4_1")
+BF16_KERNELS = ("bf16dot", "bf16amx", "bf16rows")  # verispec's kernels over the model's own bf16 weights
 
 
 def packing_enabled(device: torch.device) -> bool:
@@ -136,7 +137,7 @@ class Linear(nn.Module):
 
             if not kernel_runs(base, dense.dtype) or dense.shape[1] % 32:
                 return False
-            fmt = "bf16" if base in ("bf16dot", "bf16amx", "bf16rows") else base.removesuffix("-i8")
+            fmt = "bf16" if base in BF16_KERNELS else base.removesuffix("-i8")
             if base == "bf16dot":
                 self.blocks = interleave4(dense)
             elif base == "bf16amx":
