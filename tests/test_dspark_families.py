@@ -27,10 +27,11 @@ from verispec.training.dspark.forward import train_forward
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3", "gemma4"]
 
 
-def make_drafter(target_config: dict, head="vanilla", rank=8, seed=0, **overrides) -> DSparkDrafter:
+def make_drafter(target_config: dict, head="vanilla", rank=8, seed=0, draft_layers=2, prepare=True,
+                 **overrides) -> DSparkDrafter:
     layers = target_config["num_hidden_layers"]
     config = DSparkConfig.from_target(
-        target_config, num_draft_layers=2, block_size=4, target_layer_ids=[-1, 0, layers - 2],
+        target_config, num_draft_layers=draft_layers, block_size=4, target_layer_ids=[-1, 0, layers - 2],
         mask_token_id=target_config["vocab_size"] - 1, markov_rank=rank, markov_head_type=head,
         enable_confidence_head=rank > 0, confidence_head_with_markov=rank > 0, num_anchors=8, **overrides)
     torch.manual_seed(seed)
@@ -39,7 +40,7 @@ def make_drafter(target_config: dict, head="vanilla", rank=8, seed=0, **override
         for name, p in drafter.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-    return drafter.prepare_for_inference()
+    return drafter.prepare_for_inference() if prepare else drafter
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -78,6 +79,39 @@ def test_training_and_decoding_views_agree(family):
         _, confidence = drafter.propose(h, [int(ids[0, anchor])], teacher)
         torch.testing.assert_close(torch.stack(logits), out.draft_logits[0, a], atol=2e-4, rtol=1e-4)
         torch.testing.assert_close(confidence[0], out.confidence_logits[0, a], atol=2e-4, rtol=1e-4)
+
+
+def test_a_deepened_drafter_computes_what_it_was_deepened_from(family):
+    """`train --init-from D --layers N` (training/dspark/train.py deepen): D's layers, then copies
+    of its last with zeroed residual branches. Oracle: D itself, in the training view (slot
+    logits and confidences at every anchor) and the decoding view (the backbone's block hidden
+    states); and the new layers are not inert, since their copied weights are D's."""
+    from verispec.training.dspark.train import deepen
+
+    name, _, target, config = family
+    drafter = make_drafter(config, head="rnn", draft_layers=1, prepare=False)
+    deep = deepen(drafter, 3)
+    assert len(deep.layers) == 3 and deep.config.args.num_layers == 3 and deep.config.raw["num_hidden_layers"] == 3
+    torch.testing.assert_close(deep.layers[2].mlp.gate_proj.weight, drafter.layers[0].mlp.gate_proj.weight)
+    S = 20
+    ids = torch.randint(0, 90, (1, S), generator=torch.Generator().manual_seed(2))
+    seq = target.new_cache().allocate(S)
+    features = torch.cat(target(ids[0], BatchKV([seq], [S]), taps=drafter.config.target_layer_ids).hidden, dim=-1)
+    anchors = torch.tensor([[3, 9, 14]])
+    views = [train_forward(d, ids, features[None], torch.ones(1, S), anchors, torch.ones(1, 3, dtype=torch.bool))
+             for d in (drafter, deep)]
+    torch.testing.assert_close(views[1].draft_logits, views[0].draft_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(views[1].confidence_logits, views[0].confidence_logits, atol=1e-5, rtol=1e-5)
+    hidden = [d.draft_hidden([d.new_cache(S + drafter.block_size)], [features[:14]], [int(ids[0, 14])])
+              for d in (drafter, deep)]
+    torch.testing.assert_close(hidden[1], hidden[0], atol=1e-5, rtol=1e-5)
+    # a step of training moves the new layers' zeroed branches off zero (their gradient is not zero)
+    out = train_forward(deep, ids, features[None], torch.ones(1, S), anchors, torch.ones(1, 3, dtype=torch.bool))
+    out.draft_logits.square().mean().backward()
+    layer = deep.layers[2]
+    zeroed = ([layer.post_attention_layernorm.weight, layer.post_feedforward_layernorm.weight] if layer.sandwich
+              else [layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight])
+    assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in zeroed)
 
 
 @pytest.mark.parametrize("head", ["vanilla", "gated", "rnn", "dflash"])

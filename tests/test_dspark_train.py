@@ -104,14 +104,13 @@ def test_a_warm_restart_starts_from_the_drafters_weights(features, tmp_path, cap
     assert main([*common, "--steps", "6", "--save-every", "6", "--lr", "3e-3", "--out", str(base)]) == 0
     warm = tmp_path / "warm"
     # lr 0: AdamW leaves the weights where they started, so step 1 holds the starting weights
-    assert main([*common, "--steps", "1", "--save-every", "1", "--lr", "0", "--layers", "2",
+    assert main([*common, "--steps", "1", "--save-every", "1", "--lr", "0", "--markov-rank", "16",
                  "--init-from", str(base), "--out", str(warm)]) == 0
     shipped = load_file(str(base / "step_6" / "model.safetensors"))
     started = _weights(warm / "step_1")
     assert started and {k[len("param."):] for k in started} <= shipped.keys()
-    assert not any(".layers.1." in k or k.startswith("param.layers.1.") for k in started), \
-        "the drafter's architecture (1 layer), not --layers 2"
-    for k, v in started.items():
+    assert not any(k.startswith("param.layers.1.") for k in started)  # its depth: no --layers, no deepening
+    for k, v in started.items():  # its head options too (rank 8), not --markov-rank 16: same shapes, same values
         torch.testing.assert_close(v, shipped[k[len("param."):]].float(), atol=0, rtol=0, msg=k)
     trained = [json.loads(line) for line in (base / "validation.jsonl").read_text().splitlines()]
     restart = [json.loads(line) for line in (warm / "validation.jsonl").read_text().splitlines()]
@@ -452,3 +451,34 @@ def test_a_warm_restart_widens_the_draft_vocabulary_and_keeps_what_the_drafter_l
         assert main([*wide, "--steps", "1", "--init-from", str(tmp_path / "base" / "step_3"),
                      "--out", str(tmp_path / "refused")]) != 0
         assert says in capsys.readouterr().err
+
+
+def test_a_warm_restart_deepens_the_drafter_and_refuses_to_drop_layers(features, tmp_path, capsys):
+    """`--init-from D --layers N`, N above D's layers, trains a deeper drafter that starts as D
+    (tests/test_dspark_families.py checks the function against D's for every family); without
+    --layers D's depth is kept, and fewer layers than D's are refused."""
+    common = ["dspark", "train", "--features", str(features), *TRAIN, "--holdout", "2"]
+    layers_at = common.index("--layers") + 1
+    assert main([*common, "--steps", "2", "--save-every", "2", "--lr", "3e-3", "--out", str(tmp_path / "base")]) == 0
+    deeper = list(common)
+    deeper[layers_at] = "2"
+    capsys.readouterr()
+    assert main([*deeper, "--steps", "1", "--lr", "0", "--init-from", str(tmp_path / "base" / "step_2"),
+                 "--out", str(tmp_path / "deep")]) == 0
+    assert "(2 draft layers, deepened from 1, " in capsys.readouterr().err
+    config = json.loads((tmp_path / "deep" / "step_1" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2 and len(config["layer_types"]) == 2
+    base = load_file(str(tmp_path / "base" / "step_2" / "model.safetensors"))
+    deep = load_file(str(tmp_path / "deep" / "step_1" / "model.safetensors"))
+    assert torch.equal(deep["layers.1.mlp.gate_proj.weight"], base["layers.0.mlp.gate_proj.weight"])
+    assert not deep["layers.1.mlp.down_proj.weight"].any()  # lr 0: the zeroed branch as it started
+    kept = list(common)
+    del kept[layers_at - 1 : layers_at + 1]
+    assert main([*kept, "--steps", "1", "--lr", "0", "--init-from", str(tmp_path / "deep" / "step_1"),
+                 "--out", str(tmp_path / "kept")]) == 0
+    assert "(2 draft layers, draft vocabulary" in capsys.readouterr().err
+    shallow = list(common)
+    shallow[layers_at] = "1"
+    assert main([*shallow, "--steps", "1", "--init-from", str(tmp_path / "deep" / "step_1"),
+                 "--out", str(tmp_path / "refused")]) != 0
+    assert "not removed" in capsys.readouterr().err

@@ -123,11 +123,14 @@ a whole run for the default model (each command can be stopped and rerun; README
     tr.add_argument("--init-from", default=None, metavar="DRAFTER",
                     help="start a new run from this drafter's weights (a drafter folder, a train run folder, or a "
                          "bundled model's name such as smollm2-135m-instruct: its shipped drafter) with a fresh "
-                         "optimizer and schedule: a warm restart; its architecture replaces --layers and the head "
-                         "options. Its draft vocabulary is kept, or widened by a larger --draft-vocab (the most "
+                         "optimizer and schedule: a warm restart; its architecture replaces the head options. Its "
+                         "draft layers are kept, or deepened by a larger --layers (new layers after its own, "
+                         "copies of its last whose residual branches start at zero: it computes what it did). Its "
+                         "draft vocabulary is kept, or widened by a larger --draft-vocab (the most "
                          "frequent answer tokens it lacks join; every token it had keeps its learnt rows). Ignored "
                          "when --out already holds a checkpoint (that run resumes)")
-    tr.add_argument("--layers", type=int, default=1, help="draft layers (default 1)")
+    tr.add_argument("--layers", type=int, default=None,
+                    help="draft layers (default 1; with --init-from: its drafter's, a larger N deepens it)")
     tr.add_argument("--block-size", type=int, default=7, help="gamma: tokens per proposal (default 7)")
     tr.add_argument("--markov-rank", type=int, default=64, help="Markov rank r (0: DFlash, no sequential head)")
     tr.add_argument("--head", choices=["vanilla", "gated", "rnn"], default="vanilla", help="sequential head")

@@ -188,6 +188,56 @@ def widen_vocabulary(warm, vocab: torch.Tensor):
     return drafter
 
 
+def _deepens(args, warm) -> bool:
+    """Whether `--layers` asks to deepen the warm drafter (refused: fewer layers than it has,
+    which would drop what it learnt)."""
+    layers, have = getattr(args, "layers", None), warm.config.args.num_layers
+    if layers is None or layers == have:
+        return False
+    if layers < have:
+        raise UserError(f"--init-from {args.init_from}: it has {have} draft layers; --layers {layers} would drop some "
+                        "of them (they can be kept or deepened, not removed)")
+    return True
+
+
+def deepen(warm, layers: int):
+    """A drafter like `warm` with `layers` draft layers: warm's own, then copies of its last
+    whose residual branches start at zero, so that it computes what `warm` did and training
+    starts from there (the question a deeper warm restart answers is whether capacity limits
+    the drafter, not whether a fresh layer can catch up). A branch is zeroed where its output
+    enters the residual stream: the attention's and the MLP's output projections, or, on a
+    family with sandwich norms (gemma), the norms that scale those outputs (an RMSNorm of a zero
+    vector has an unbounded gradient; a zero scale has a plain one). A copied gemma4 layer's
+    stored output scale is 1. tests/test_dspark_train.py checks the backbone's output against
+    `warm`'s own, on a llama-style fixture and a gemma3-style drafter."""
+    from verispec.drafting.dspark.config import DSparkConfig
+    from verispec.drafting.dspark.model import DSparkDrafter
+
+    have = warm.config.args.num_layers
+    drafter = DSparkDrafter(DSparkConfig.from_dict(
+        {**warm.config.raw, "num_hidden_layers": layers, "layer_types": ["full_attention"] * layers}))
+    state = warm.state_dict()
+    with torch.no_grad():
+        for name, new in drafter.state_dict().items():
+            if not name.startswith("layers."):
+                new.copy_(state[name])
+                continue
+            _, index, rest = name.split(".", 2)
+            new.copy_(state[f"layers.{min(int(index), have - 1)}.{rest}"])
+        for layer in drafter.layers[have:]:
+            if layer.sandwich:
+                for norm in (layer.post_attention_layernorm, layer.post_feedforward_layernorm):
+                    norm.weight.fill_(-norm.offset if norm.offset else 0.0)
+            else:
+                for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                    proj.weight.zero_()
+                    if proj.bias is not None:
+                        proj.bias.zero_()
+            if layer.scaled:
+                layer.layer_scalar.fill_(1.0)
+    return drafter
+
+
 def copy_frozen(drafter, target_folder: Path) -> None:
     """The frozen embedding and head: the target's (head rows of the draft vocabulary)."""
     from types import SimpleNamespace
@@ -370,11 +420,15 @@ def setup(args) -> TrainRun:
             note = f", covering {covered:.1%} of the answer tokens"
             if covered < WIDEN_BELOW:  # a token outside the draft vocabulary can never be drafted
                 note += " (a larger --draft-vocab widens it)"
+        deepened = ""
+        if _deepens(args, warm):
+            deepened = f", deepened from {warm.config.args.num_layers}"
+            warm = deepen(warm, args.layers)
         config = warm.config
         if world.main:
-            print(f"train: starting from the weights of {args.init_from} ({config.args.num_layers} draft layers, "
+            print(f"train: starting from the weights of {args.init_from} ({config.args.num_layers} draft layers{deepened}, "
                   f"draft vocabulary {config.draft_vocab_size or 'full'}{note}"
-                  "; its architecture, not --layers), a fresh optimizer and schedule", file=sys.stderr)
+                  "; its head options, not this command's), a fresh optimizer and schedule", file=sys.stderr)
     else:
         vocab = None
         args.draft_vocab = DEFAULT_DRAFT_VOCAB if args.draft_vocab is None else args.draft_vocab
@@ -386,7 +440,7 @@ def setup(args) -> TrainRun:
                 print(f"train: draft vocabulary of {len(vocab)} tokens covers {coverage:.1%} of the answer tokens",
                       file=sys.stderr)
         config = DSparkConfig.from_target(
-            target_config, num_draft_layers=args.layers, block_size=args.block_size,
+            target_config, num_draft_layers=args.layers or 1, block_size=args.block_size,
             target_layer_ids=manifest["target_layer_ids"], mask_token_id=args.mask_token_id,
             markov_rank=args.markov_rank, markov_head_type=args.head, enable_confidence_head=args.markov_rank > 0,
             confidence_head_with_markov=args.markov_rank > 0, num_anchors=args.anchors,
