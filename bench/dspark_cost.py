@@ -39,6 +39,7 @@ SHAPES = [
     DEFAULT_SHAPE,
     {"layers": 1, "rank": 64, "draft_vocab": 8192},
     {"layers": 2, "rank": 64, "draft_vocab": 16384},
+    {"layers": 2, "rank": 64, "draft_vocab": 8192},  # gemma3's shipped shape, deepened (campaign stage 16)
     {"layers": 2, "rank": 128, "draft_vocab": 49152},
 ]
 SMALL_VOCAB_SHAPES = [{"layers": 1, "rank": 16, "draft_vocab": None}, {"layers": 2, "rank": 16, "draft_vocab": None}]
