@@ -230,6 +230,28 @@ def test_a_pack_holds_exactly_the_records_and_grows_by_the_new_ones(tmp_path, ca
 
 
 @needs_eval
+def test_a_pack_leaves_out_an_eval_run_that_spans_prompt_and_answer(tmp_path, capsys):
+    """A base model's answer continues its prompt's last words, so an eval prompt's 8-word run
+    can start in the prompt and end in the answer (stage 16 met one); neither text alone holds
+    it. Oracle: the word-tuple check over the joined text, which the pack must agree with."""
+    turn = next(t for t in decontaminate.eval_turns(EVAL_DIR) if len(decontaminate.words(t)) >= 8)
+    w = decontaminate.words(turn)[:8]
+    prompt, answer = "Notes: " + " ".join(w[:4]), " " + " ".join(w[4:]) + " and so on."
+    grams = _eval_ngrams()
+    assert not _overlaps(prompt, grams) and not _overlaps(answer, grams) and _overlaps(prompt + answer, grams)
+    records = [{"id": f"{i:016x}", "source": "sharegpt", "prompt": text, "answer": reply, "finish_reason": "stop",
+                "prompt_ids": [1, 2, 3], "answer_ids": [4, 5, 6]}
+               for i, (text, reply) in enumerate([(prompt, answer), (prompt, " and then something else entirely.")])]
+    data = tmp_path / "answers.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["dspark", "pack", "--data", str(data), "--out", str(tmp_path / "a.pack.xz"), "--vocab-size", "100"]) == 0
+    from verispec.training.dspark.pack import read_pack
+
+    assert [r["id"] for r in read_pack(tmp_path / "a.pack.xz")[1]] == [records[1]["id"]]
+    assert "1 records left out" in capsys.readouterr().err
+
+
+@needs_eval
 @pytest.mark.parametrize("pack", sorted(PACKS.glob("*/*.pack.xz")) or [None], ids=lambda p: p and p.parent.name)
 def test_the_committed_training_data_shares_no_8_words_with_an_eval_prompt(pack):
     """The repository's regenerated answers (prompts decoded with their model's tokenizer)."""

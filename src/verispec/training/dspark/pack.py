@@ -106,9 +106,12 @@ def run_pack(args) -> int:
         raise UserError("a new pack needs the target's vocabulary size (it sets the id width): -m MODEL or --vocab-size")
     have = {r["id"] for r in existing}
     added = [r for r in read_records(Path(args.data), min_loss_tokens=0) if r["id"] not in have and "answer_ids" in r]
-    # never keep an eval prompt's 8-word run, in a prompt or in an answer (datagen filters both;
-    # this also holds for data made before it filtered answers, or by other tools)
-    fresh = [r for r in added if not contaminated(*record_texts(r), r.get("answer") or "")]
+    # never keep an eval prompt's 8-word run, in a prompt, in an answer, or across the two as the
+    # model reads them (a base model's answer continues its prompt's last words: a count "71/ 72/"
+    # went on in the answer; datagen filters all three; this also holds for data made before it
+    # did, or by other tools)
+    fresh = [r for r in added if not contaminated(*record_texts(r), r.get("answer") or "",
+                                                  record_texts(r)[-1] + (r.get("answer") or ""))]
     if len(fresh) < len(added):
         print(f"pack: {len(added) - len(fresh)} records left out: they share an 8-word run with an eval prompt",
               file=sys.stderr)
