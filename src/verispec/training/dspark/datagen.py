@@ -332,7 +332,7 @@ def run_datagen(args) -> int:
                 ids = list(completion.token_ids)
                 if completion.finish_reason == "stop" and eos is not None:
                     ids.append(eos)
-                if contaminated(*record_texts(record), completion.text, record_texts(record)[-1] + completion.text):
+                if contaminated(*record_texts(record), completion.text):
                     # the answer itself shares an 8-word run with an eval prompt: kept as a record
                     # without an answer, so a rerun does not generate it again and nothing trains on it
                     f.write(json.dumps({"id": record["id"], "source": record["source"],
