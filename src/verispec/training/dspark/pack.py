@@ -108,10 +108,13 @@ def run_pack(args) -> int:
     added = [r for r in read_records(Path(args.data), min_loss_tokens=0) if r["id"] not in have and "answer_ids" in r]
     # never keep an eval prompt's 8-word run, in a prompt, in an answer, or across the two as the
     # model reads them (a base model's answer continues its prompt's last words: a count "71/ 72/"
-    # went on in the answer; datagen filters all three; this also holds for data made before it
-    # did, or by other tools)
-    fresh = [r for r in added if not contaminated(*record_texts(r), r.get("answer") or "",
-                                                  record_texts(r)[-1] + (r.get("answer") or ""))]
+    # went on in the answer). datagen checks prompt and answer apart; this is the gate for the
+    # joined text, and for data made before datagen filtered answers, or by other tools
+    def spoiled(r: dict) -> bool:
+        prompts, answer = record_texts(r), r.get("answer") or ""
+        return contaminated(*prompts, answer, prompts[-1] + answer)
+
+    fresh = [r for r in added if not spoiled(r)]
     if len(fresh) < len(added):
         print(f"pack: {len(added) - len(fresh)} records left out: they share an 8-word run with an eval prompt",
               file=sys.stderr)

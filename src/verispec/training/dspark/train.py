@@ -208,8 +208,9 @@ def deepen(warm, layers: int):
     enters the residual stream: the attention's and the MLP's output projections, or, on a
     family with sandwich norms (gemma), the norms that scale those outputs (an RMSNorm of a zero
     vector has an unbounded gradient; a zero scale has a plain one). A copied gemma4 layer's
-    stored output scale is 1. tests/test_dspark_train.py checks the backbone's output against
-    `warm`'s own, on a llama-style fixture and a gemma3-style drafter."""
+    stored output scale is 1. tests/test_dspark_families.py checks the slot logits, confidences
+    and block hidden states against `warm`'s own for every family; tests/test_dspark_train.py
+    the CLI."""
     from verispec.drafting.dspark.config import DSparkConfig
     from verispec.drafting.dspark.model import DSparkDrafter
 
