@@ -89,11 +89,15 @@ def _first_mismatch(drafts: list[int], targets: list[int]) -> tuple[int, int]:
 
 
 def _verify_by_matching(processed, rows: list[VerifyRow], spans) -> list[tuple[int, int]]:
-    index = torch.cat([torch.arange(a, b) for a, b in spans]).to(processed.device)
     params = [r.params for r, (a, b) in zip(rows, spans) for _ in range(b - a)]
     generators = [r.generator for r, (a, b) in zip(rows, spans) for _ in range(b - a)]
     states = [r.generator.get_state() for r in rows]
-    drawn = sample(processed.index_select(0, index), params, generators).tolist()
+    if spans[0][0] == 0 and spans[-1][1] == processed.shape[0] and all(
+            b == a2 for (_, b), (a2, _) in zip(spans, spans[1:])):
+        rows_of = processed  # every row of the step is matched, in order: no copy (16 rows of Gemma's: 2-3 ms)
+    else:
+        rows_of = processed.index_select(0, torch.cat([torch.arange(a, b) for a, b in spans]).to(processed.device))
+    drawn = sample(rows_of, params, generators).tolist()
     out, at = [], 0
     for row, (a, b), state in zip(rows, spans, states):
         n, token = _first_mismatch(row.drafts, drawn[at : at + (b - a)])
