@@ -124,3 +124,52 @@ def test_a_row_that_needs_the_memory_evicts_the_cache_instead_of_waiting(tiny):
     engine.kv_budget = engine.scheduler.kv_budget = cache.bytes_for(60) + held - 1
     out = _run(engine, [_prompt(50, 5)], [10])
     assert len(out[0]) == 10 and engine.prefix.stats()["evictions"] >= 1
+
+
+def test_a_drafter_reading_hidden_states_restores_their_features_and_proposes_as_without_the_cache():
+    """A DSpark row restores a prefix together with the tapped features of its positions,
+    so its drafter is handed what the prefill it skipped would have given it. Oracle: the
+    same conversation with the cache off (the DeepSpec fixture's target and drafter, float32,
+    every round a full block): the same tokens, and the same proposals round by round
+    (tokens equal, confidence logits within float32 rounding: the features of a position
+    computed in turn 1's decode steps or in turn 2's prefill). An entry left by a row
+    without a drafter (no features) is not restored into a row whose drafter needs them."""
+    import json
+
+    from tests.fixtures import oracle
+    from verispec.drafting.dspark.checkpoint import load_dspark
+    from verispec.drafting.dspark.source import DSparkProvider
+    from verispec.models.loader import load_model
+
+    root = oracle()
+    target = load_model(str(root / "target"), dtype=torch.float32)
+    drafter = load_dspark(root / "drafter", dtype=torch.float32)
+    turn1 = json.loads((root / "prompts.jsonl").read_text().splitlines()[0])["prompt_ids"]
+
+    def conversation(prefix_cache: bool):
+        provider = DSparkProvider(drafter, confidence_threshold=0.0)
+        provider.trace = []
+        engine = Engine(target.model, CharTokenizer(), target.stop_ids,
+                        EngineConfig(kv_budget=2**30, adaptive_draft=False, prefix_cache=prefix_cache,
+                                     prefill_chunk=16, idle_prefill_chunk=16), drafter=provider)
+        plain = engine.generate(GenerationRequest(turn1, 20, speculation=False)).token_ids  # an entry without features
+        hits = engine.prefix.stats()["hits"] if prefix_cache else 0
+        first = engine.generate(GenerationRequest(turn1 + plain[:3], 24)).token_ids
+        missed = (engine.prefix.stats()["hits"] - hits) if prefix_cache else 0
+        turn2 = turn1 + plain[:3] + first + turn1[:7]
+        before = engine.metrics.prefill_tokens
+        second = engine.generate(GenerationRequest(turn2, 24)).token_ids
+        proposals = [(e["draft_tokens"], e["proposal_len"], e["num_new_context"], e["confidence_logits"])
+                     for e in provider.trace if e["event"] == "propose"]
+        return plain, first, second, proposals, engine.metrics.prefill_tokens - before, missed, len(turn2), engine
+
+    *on, computed, missed, n_prompt, engine = conversation(True)
+    *off, computed_off, _, _, _ = conversation(False)
+    assert missed == 0, "the entry without features was restored into a row whose drafter reads them"
+    assert on[:3] == off[:3]
+    assert computed_off == n_prompt and computed < n_prompt - 32, (computed, n_prompt)  # turn 2 restored turn 1
+    assert engine.drafting.totals.accepted > 0
+    assert len(on[3]) == len(off[3]) > 0
+    for a, b in zip(on[3], off[3]):
+        assert a[:3] == b[:3]
+        assert torch.allclose(torch.tensor(a[3]), torch.tensor(b[3]), atol=1e-4)

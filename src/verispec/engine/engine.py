@@ -184,15 +184,36 @@ class Engine:
     # -- API (any thread) -----------------------------------------------------------
 
     def _reads_hidden(self, row: Row) -> bool:
-        """A row whose draft source reads the target's hidden states needs every prompt
-        position computed (the prefix cache holds KV, not features)."""
+        """A row whose draft source reads the target's hidden states: it restores a prefix
+        only with the features of its positions, and keeps its own for the cache."""
         return self.drafting.active and row.request.speculation and bool(self.drafting.taps)
 
     def _restore_prefix(self, row: Row) -> None:
         """Before a row's first prefill chunk: the cached KV of the longest block prefix of
-        its prompt."""
+        its prompt (and its features, for a row whose source reads them)."""
         if row.reads_prefix_cache:
-            row.prefilled = row.restored = self.prefix.restore(row.kv, row.request.prompt_ids)
+            row.restored, features = self.prefix.restore(row.kv, row.request.prompt_ids, row.features is not None)
+            row.prefilled = row.restored
+            if features is not None:
+                row.restored_features = features
+                row.features.append(features)
+
+    @staticmethod
+    def _keep_features(row: Row, hidden, positions: int) -> None:
+        """Record the tapped hidden states of a forward's first `positions` rows for the
+        prefix cache (a forward without them ends the record: no entry would be whole)."""
+        if row.features is not None:
+            if hidden is None:
+                row.features = None
+            else:
+                row.features.append(tuple(h[:positions].clone() for h in hidden))  # not a view of the batch
+
+    @staticmethod
+    def _features_of(row: Row):
+        """Per tap, every cached position's features in order, or None."""
+        if not row.features:
+            return None
+        return tuple(torch.cat([f[tap] for f in row.features]) for tap in range(len(row.features[0])))
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """The most tokens a request with this prompt may ask for: what is left of the
@@ -265,7 +286,8 @@ class Engine:
             raise RequestRejected("the engine is shutting down", None, 503)
         kv_bytes = self.check(request)
         row = Row(request, sink, self.tokenizer, kv_bytes)
-        row.reads_prefix_cache = self.prefix is not None and not self._reads_hidden(row)
+        row.reads_prefix_cache = self.prefix is not None
+        row.features = [] if row.reads_prefix_cache and self._reads_hidden(row) else None
         with self._count_lock:
             self._pending_submits += 1
         self._inbox.put(("submit", row))
@@ -373,8 +395,9 @@ class Engine:
             drafting.attach(row)
         for chunk in plan.prefill:
             if chunk.row.restored:  # restored from the prefix cache: the source still reads the tokens
-                drafting.prefill(chunk.row, chunk.row.request.prompt_ids[: chunk.row.restored], None)
-                chunk.row.restored = 0
+                drafting.prefill(chunk.row, chunk.row.request.prompt_ids[: chunk.row.restored],
+                                 chunk.row.restored_features)
+                chunk.row.restored, chunk.row.restored_features = 0, None
         self.metrics.prefill_tokens += sum(c.stop - c.start for c in plan.prefill)
         batch_tokens = len(plan.decode) + sum(c.stop - c.start for c in plan.prefill)
         drafts = drafting.drafts(plan.decode, batch_tokens, len(plan.decode) + len(plan.prefill))
@@ -385,10 +408,11 @@ class Engine:
         for item in done:
             if item.chunk is not None:
                 item.row.prefilled = item.chunk.stop
+                self._keep_features(item.row, item.hidden, len(item.tokens))
                 if item.chunk.completes_prompt:
                     item.row.state = RowState.DECODE
                     if self.prefix is not None and self.scheduler.waits_on(item.row):  # n > 1: the twins reuse it
-                        self.prefix.insert(item.row.request.prompt_ids, item.row.kv)
+                        self.prefix.insert(item.row.request.prompt_ids, item.row.kv, self._features_of(item.row))
                 drafting.prefill(item.row, item.tokens, item.hidden)
         emitting = [w for w in done if w.emits and w.row.state is not RowState.FINISHED]
         for item, infos in (runner.decide(emitting, self._fail) if emitting else []):
@@ -404,6 +428,7 @@ class Engine:
             row.kv.rollback(rejected)
         if item.decode:
             self.drafting.commit(row, item.draft, [i.token for i in infos], item.hidden)
+            self._keep_features(row, item.hidden, len(infos))  # the pending token and the kept drafts
         self._observe_latency(row, len(infos))
         for info in infos:
             self._accept(row, info)
@@ -485,7 +510,7 @@ class Engine:
         if row.state is RowState.FINISHED:
             return
         if self.prefix is not None and row.kv is not None and row.state is RowState.DECODE and reason != FINISH_ERROR:
-            self.prefix.insert(list(row.request.prompt_ids) + row.output, row.kv)
+            self.prefix.insert(list(row.request.prompt_ids) + row.output, row.kv, self._features_of(row))
         self.scheduler.remove(row)
         self._rows.pop(row.id, None)
         self.drafting.detach(row)

@@ -25,13 +25,21 @@ token-exact sharing would save under 16 tokens' prefill a hit for its bookkeepin
 * Bit-exact: a restored position holds the bits the row's own prefill would have written
   (batch-invariant kernels: a position's K/V do not depend on the chunk it was computed
   in), masked keys never enter a sum, so greedy output is identical with the cache on and
-  off. Rows whose draft source reads the target's hidden states (DSpark) prefill in full
-  (their drafter needs every position's features); the other sources are handed the
-  restored tokens.
+  off. The draft sources are handed the restored tokens.
+* Features: a row whose draft source reads the target's hidden states (DSpark, the
+  composite) needs every position's tapped features, not only its KV. Its entries keep
+  them too (the features its own forwards produced, position by position, as its source
+  was given them), and such a row restores only from an entry that has them, handing them
+  to its source as the prefill it skipped would have. Before, those rows prefilled in
+  full: a drafter reading hidden states turned the cache off. Under batch-invariant
+  kernels a position's features, like its K/V, do not depend on the forward that
+  computed them.
 
 Checked by tests/test_prefix_cache.py (greedy output with the cache on and off and
 against transformers, across joins, leaves, rollbacks, evictions and sliding windows;
-the KV budget never exceeded) and bench/prefix_cache.py (multi-turn replay).
+the KV budget never exceeded; a DSpark drafter's features and proposals on a restored
+prefix against the same requests with the cache off) and bench/prefix_cache.py
+(multi-turn replay).
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ class Entry:
     keys: list[torch.Tensor]  # per layer with its own KV (KVCache.own_layers): [kv_heads, positions held, head_dim]
     values: list[torch.Tensor]
     nbytes: int
+    features: tuple[torch.Tensor, ...] | None = None  # per tap [L, H]: for sources that read hidden states
 
 
 class PrefixCache:
@@ -67,25 +76,29 @@ class PrefixCache:
 
     # -- lookup and restore ----------------------------------------------------------------
 
-    def restore(self, seq: SequenceKV, prompt: list[int]) -> int:
+    def restore(self, seq: SequenceKV, prompt: list[int], features: bool = False) \
+            -> tuple[int, tuple[torch.Tensor, ...] | None]:
         """Copy the longest cached block prefix of `prompt` into the empty `seq`; return
-        its length (0: no hit)."""
+        its length (0: no hit) and, with `features`, the restored positions' tapped hidden
+        states (then only entries that kept them count)."""
         self.lookups += 1
         self.looked_up_tokens += len(prompt)
         limit = (len(prompt) - 1) // self.block * self.block
         for length in range(limit, 0, -self.block):
-            entry = self._find(prompt, length)
+            entry = self._find(prompt, length, features)
             if entry is not None:
                 self._copy_in(entry, seq, length)
                 self.hits += 1
                 self.hit_tokens += length
-                return length
-        return 0
+                return length, tuple(f[:length] for f in entry.features) if features else None
+        return 0, None
 
-    def _find(self, prompt: list[int], length: int) -> Entry | None:
+    def _find(self, prompt: list[int], length: int, features: bool = False) -> Entry | None:
         head = tuple(prompt[:length])
         for key in self.index.get(hash(head), ()):
             entry = self.entries[key]
+            if features and entry.features is None:
+                continue
             if (len(key) == length or not self.sliding) and key[:length] == head:
                 self.entries.move_to_end(key)
                 return entry
@@ -113,14 +126,18 @@ class PrefixCache:
 
     # -- insert and evict ------------------------------------------------------------------
 
-    def insert(self, tokens: list[int], seq: SequenceKV) -> None:
+    def insert(self, tokens: list[int], seq: SequenceKV, features: tuple[torch.Tensor, ...] | None = None) -> None:
         """Keep the KV of `tokens` (a finished row's prompt + output; the sequence holds at
-        least the first len(tokens) - 1 of them) at the largest block boundary held."""
+        least the first len(tokens) - 1 of them) at the largest block boundary held, and
+        the tapped features of those positions where given (per tap, one row a position
+        from the first)."""
         length = min(seq.length, len(tokens) - 1) // self.block * self.block
         if length < self.block:
             return
+        if features is not None and min(len(f) for f in features) < length:
+            features = None  # not every position's: a source reading them cannot use the entry
         key = tuple(tokens[:length])
-        if key in self.entries:
+        if key in self.entries and (self.entries[key].features is not None or features is None):
             self.entries.move_to_end(key)
             return
         keys, values = [], []
@@ -136,15 +153,18 @@ class PrefixCache:
                 slots = torch.arange(first, length) % seq.slots[layer]
                 keys.append(seq.keys[layer][:, slots].clone())
                 values.append(seq.values[layer][:, slots].clone())
-        nbytes = sum(t.nelement() * t.element_size() for t in keys + values)
+        kept = None if features is None else tuple(f[:length].clone() for f in features)
+        nbytes = sum(t.nelement() * t.element_size() for t in keys + values + list(kept or ()))
         if nbytes > self.max_bytes:
             return
         with self._lock:
-            if not self.sliding:  # entries this one extends are served by it now
+            if key in self.entries:  # the same tokens without features: this one serves every row
+                self._drop(key)
+            if not self.sliding:  # entries this one extends are served by it now (features permitting)
                 for shorter in [k for k in self.index.get(hash(key[: self.block]), ()) if len(k) < length
-                                and key[: len(k)] == k]:
+                                and key[: len(k)] == k and (kept is not None or self.entries[k].features is None)]:
                     self._drop(shorter)
-            self.entries[key] = Entry(key, keys, values, nbytes)
+            self.entries[key] = Entry(key, keys, values, nbytes, kept)
             for end in range(self.block, length + 1, self.block):
                 self.index.setdefault(hash(key[:end]), set()).add(key)
             self.bytes += nbytes

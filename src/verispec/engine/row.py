@@ -37,8 +37,13 @@ class Row:
         self.state = RowState.WAITING
         self.prefilled = 0  # prompt tokens already in the cache
         self.looked_up = False  # the prefix cache was asked for this prompt (engine/scheduler.py)
-        self.reads_prefix_cache = False  # set at submit: a cache, and no drafter reading hidden states
+        self.reads_prefix_cache = False  # set at submit: the engine has a prefix cache
         self.restored = 0  # prompt tokens restored from the prefix cache, not yet handed to the draft source
+        self.restored_features = None  # their tapped hidden states, for a source that reads them
+        # per forward that put this row's positions into the cache, their tapped hidden states
+        # (prompt chunks, then each step's kept rows): what the prefix cache keeps for sources
+        # that read them. None: not kept (no cache, no such source, or a forward without them)
+        self.features: list[tuple[torch.Tensor, ...]] | None = None
         self.output: list[int] = []
         self.pending: int | None = None
         self.unreleased: list[TokenInfo] = []  # emitted tokens whose text is still held back
