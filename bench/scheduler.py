@@ -29,7 +29,17 @@ per step (drafts sent to verification per row-round). A table, one JSON line, an
 bench_scheduler.png (aggregate tok/s against concurrency, one line per arm). Says which
 CPU it ran on.
 
+Noise. A closed loop of exactly 16 prompts at 16 streams is one wave: its wall time is its
+longest request's, so a cell moves with how many tokens the others happened to stop at
+(at T = 1, 1,024 to 1,468 of 1,536 tokens over three runs of the same arm on gemma3).
+`--per-stream K` gives each concurrency C at least K * C requests (more prompts from
+each set, in the sets' order), so the loop stays full until its tail and a cell measures
+the concurrency it names; `--repeats R` runs every cell R times, the arms interleaved in
+each round, and reports the mean (and each run's value in the JSON line).
+
     .venv/bin/python bench/scheduler.py                       # 2 prompts per set, 96 tokens
+    .venv/bin/python bench/scheduler.py --model gemma3-270m --arms none,ngram-strict,composite-strict \
+        --prompts 4 --per-stream 4 --repeats 3               # the run that chooses a default
     .venv/bin/python bench/scheduler.py --prompts 12 --max-tokens 192 --arms none,ngram,dspark-strict
     .venv/bin/python bench/scheduler.py --model gemma3-270m --arms none,ngram-strict,dspark-strict,composite-strict
 """
@@ -115,6 +125,10 @@ def main() -> None:
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--png", default="bench_scheduler.png")
+    ap.add_argument("--per-stream", type=int, default=0, metavar="K",
+                    help="at concurrency C run at least K*C requests (more prompts per set); 0: --prompts per set "
+                         "at every concurrency")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every cell, arms interleaved; the table shows means")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -130,7 +144,18 @@ def main() -> None:
         raise SystemExit(f"unknown model {args.model!r}; the catalog has {', '.join(REGISTRY)}")
     loaded = load_for_serving(args.model, progress=False)
     recommended = dict(REGISTRY[args.model].sampling)
-    prompts = workloads(loaded.tokenizer, args.prompts, ["eval"])["eval"]
+    if args.prompts < 1 or args.per_stream < 0 or args.repeats < 1:
+        raise SystemExit("--prompts and --repeats must be at least 1, --per-stream at least 0")
+    concurrencies = [int(x) for x in args.concurrency.split(",")]
+    per_set = {c: max(args.prompts, -(-args.per_stream * c // 4)) for c in concurrencies}
+    pool = workloads(loaded.tokenizer, max(per_set.values()), ["eval"])["eval"]
+    sets = len(pool) // max(per_set.values())
+    per_set_pool = [pool[i * max(per_set.values()):(i + 1) * max(per_set.values())] for i in range(sets)]
+
+    def prompts_for(c: int) -> list[list[int]]:  # the first n of every set, the sets in turn
+        return [p for chunk in per_set_pool for p in chunk[:per_set[c]]]
+
+    prompts = prompts_for(min(concurrencies))
     arms = args.arms.split(",")
     unknown = set(arms) - set(ARMS)
     if unknown:
@@ -141,25 +166,42 @@ def main() -> None:
     rows = []
     for temperature in [float(t) for t in args.temperatures.split(",")]:
         params = SamplingParams() if temperature == 0 else SamplingParams(**{**recommended, "temperature": temperature})
-        for c in [int(x) for x in args.concurrency.split(",")]:
-            base = None
-            for arm, engine in engines.items():  # interleaved: every arm at this point before the next
-                r = closed_loop(engine, prompts, c, args.max_tokens, params)
-                base = r["agg_tok_s"] if arm == "none" else base
-                rows.append({"temperature": temperature, "concurrency": c, "arm": arm,
-                             **{k: round(v, 2) for k, v in r.items()}})
+        for c in concurrencies:
+            runs = {arm: [] for arm in engines}
+            for _ in range(args.repeats):
+                for arm, engine in engines.items():  # interleaved: every arm at this point before the next
+                    runs[arm].append(closed_loop(engine, prompts_for(c), c, args.max_tokens, params))
+            for arm, results in runs.items():
+                mean = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+                rows.append({"temperature": temperature, "concurrency": c, "arm": arm, "requests": len(prompts_for(c)),
+                             **{k: round(v, 2) for k, v in mean.items()},
+                             "runs_agg_tok_s": [round(r["agg_tok_s"], 2) for r in results]})
+            base = next((r["agg_tok_s"] for r in rows if r["arm"] == "none" and r["temperature"] == temperature
+                         and r["concurrency"] == c), None)
             for row in rows:
                 if row["temperature"] == temperature and row["concurrency"] == c and base:
                     row["vs_none"] = round(row["agg_tok_s"] / base, 3)
     plan = getattr(loaded.model, "kernel_plan", None)
-    print(f"\n{args.model} ({plan.describe() if plan else 'PyTorch kernels'}), {len(prompts)} eval prompts, "
-          f"max_tokens {args.max_tokens}, closed loop per concurrency, {args.threads} threads on {cpu_name()}")
-    print(f"{'T':>3}{'conc':>5} {'arm':<19}{'agg tok/s':>10}{'vs none':>8}{'stream':>8}{'tau':>6}{'verify/rnd':>11}")
+    print(f"\n{args.model} ({plan.describe() if plan else 'PyTorch kernels'}), eval prompts "
+          f"({', '.join(f'{len(prompts_for(c))} at {c}' for c in concurrencies)} streams), max_tokens {args.max_tokens}, "
+          f"closed loop per concurrency, mean of {args.repeats} run(s) a cell, {args.threads} threads on {cpu_name()}")
+    print(f"{'T':>3}{'conc':>5} {'arm':<19}{'agg tok/s':>10}{'vs none':>8}{'stream':>8}{'tau':>6}{'verify/rnd':>11}"
+          + ("  runs (agg tok/s)" if args.repeats > 1 else ""))
     for r in rows:
         print(f"{r['temperature']:>3.0f}{r['concurrency']:>5} {r['arm']:<19}{r['agg_tok_s']:>10.1f}"
-              f"{r.get('vs_none', 0):>7.2f}x{r['stream_tok_s']:>8.1f}{r['tau']:>6.2f}{r['verify_per_round']:>11.2f}")
-    print(json.dumps({"bench": "scheduler", "model": args.model, "cpu": cpu_name(), "threads": args.threads, "prompts": len(prompts),
-                      "max_tokens": args.max_tokens, "rows": rows}))
+              f"{r.get('vs_none', 0):>7.2f}x{r['stream_tok_s']:>8.1f}{r['tau']:>6.2f}{r['verify_per_round']:>11.2f}"
+              + (f"  {' / '.join(f'{v:.1f}' for v in r['runs_agg_tok_s'])}" if args.repeats > 1 else ""))
+    means = {}
+    for arm in engines:
+        cells = [r["vs_none"] for r in rows if r["arm"] == arm and "vs_none" in r]
+        if cells:
+            means[arm] = round(sum(cells) / len(cells), 3)
+    if means:  # the rule that chooses an embedded model's default source (README, "Speculation by default")
+        print(f"mean vs none over {len(rows) // len(engines)} cells: "
+              + ", ".join(f"{arm} {m:.3f}x" for arm, m in means.items()))
+    print(json.dumps({"bench": "scheduler", "model": args.model, "cpu": cpu_name(), "threads": args.threads,
+                      "prompts_per_set": args.prompts, "per_stream": args.per_stream, "repeats": args.repeats,
+                      "max_tokens": args.max_tokens, "mean_vs_none": means, "rows": rows}))
     _plot(rows, Path(args.png))
 
 
