@@ -159,7 +159,8 @@ REGISTRY: dict[str, CatalogEntry] = {
         # bench/scheduler.py --model gemma3-270m, mean over T 0/1 (recommended top-k/top-p) and
         # 1-16 streams, AMD EPYC, 2026-12-05 (campaign stage 14): n-gram 1.085x no speculation,
         # the composite with the shipped DSpark drafter 1.064x, the drafter alone 0.979x (README,
-        # "Speculation by default")
+        # "Speculation by default"); stage 17, Intel AMX, means of 3 runs a cell: n-gram 1.210x,
+        # the composite 1.211x (a tie: the cheaper source stays)
         speculation="ngram",
     ),
 }
