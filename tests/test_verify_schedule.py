@@ -162,3 +162,39 @@ def test_the_online_table_converges_to_each_cells_rate():
     for _ in range(50):
         good.update([2, 2, 2], 1)  # position 0 accepted, position 1 rejected
     assert good.conditional(0, 2) > 0.9 and good.conditional(1, 2) < 0.2
+
+
+def test_lookup_drafts_learn_their_acceptance_apart_for_greedy_and_sampled_rows(tmp_path):
+    """A sampled row keeps a lookup's draft only where its own draw matches it, far less often
+    than a greedy row keeps it (gemma3-270m at T=1: tau 1.1-1.2 against 2.0). The engine
+    learns the two apart: sampled rounds leave the confidences the scheduler gives greedy
+    rows' drafts where they were, and greedy rounds then teach the greedy table."""
+    import torch
+
+    from tests.tiny_models import CharTokenizer, build_reference, family_configs
+    from verispec.drafting.ngram import NgramProvider
+    from verispec.engine.draft import Draft
+    from verispec.engine.engine import Engine, EngineConfig
+    from verispec.engine.request import GenerationRequest
+    from verispec.engine.sampling import SamplingParams
+    from verispec.models.loader import load_folder
+
+    build_reference(family_configs()["llama"], tmp_path)
+    model = load_folder(tmp_path, dtype=torch.float32)
+    engine = Engine(model, CharTokenizer(), stop_ids=(), config=EngineConfig(kv_budget=2**30, adaptive_draft=False),
+                    drafter=NgramProvider(min_ngram=1))
+    prompt = [5, 6, 7, 8, 9] * 8  # the lookup always finds a continuation
+    drafts = [Draft([5, 6, 7], feature=[f] * 3) for f in (1, 2, 3, 4)]
+
+    def confidences(greedy: bool) -> list[list[float]]:
+        return [engine.drafting.conditionals(d, greedy) for d in drafts]
+
+    greedy_before, sampled_before = confidences(True), confidences(False)
+    for seed in range(6):
+        engine.generate(GenerationRequest(prompt, 24, SamplingParams(temperature=1.5, seed=seed)))
+    assert engine.drafting.totals.rounds > 0
+    assert confidences(True) == greedy_before, "sampled rounds moved the greedy rows' estimate"
+    assert confidences(False) != sampled_before
+    sampled_after = confidences(False)
+    engine.generate(GenerationRequest(prompt, 24))
+    assert confidences(True) != greedy_before and confidences(False) == sampled_after

@@ -12,7 +12,8 @@ c_j = P(draft j accepted | drafts before it accepted). Where they come from:
 * grammar-forced tokens: 1 (the grammar allows nothing else, and the target's masked
   distribution puts all its mass there);
 * every other source (n-gram lookup, a draft model): `OnlineAcceptance`, a table fitted
-  online from served traffic, keyed by (draft position, the source's feature): n-gram's
+  online from served traffic (one for greedy rows and one for sampled rows, which keep far
+  fewer of the same drafts), keyed by (draft position, the source's feature): n-gram's
   match length, a draft model's probability for its own token in tenths
   (`Draft.feature`, one per position). Each cell is a Beta posterior worth `PRIOR_WEIGHT`
   rounds of prior: at position 0 the pooled rate of position 0, further on the estimate

@@ -50,7 +50,11 @@ class Drafting:
         self.forced_drafts = forced_drafts
         # Algorithm 1 across the step's rows (None or mode "cost": each row's cost policy alone)
         self.schedule = schedule if schedule is not None and schedule.active else None
-        self.online = OnlineAcceptance(max(1, length.cap))  # confidences for sources without a head
+        # confidences for sources without a head, greedy (True) and sampled (False) rows apart:
+        # a sampled row keeps a lookup's draft only where its draw matches it (gemma3 at T=1
+        # with top-k 64 / top-p 0.95: tau 1.1-1.2 against 2.0 greedy), so one table for both
+        # sent sampled rows' drafts to verification on greedy rows' rates
+        self.online = {g: OnlineAcceptance(max(1, length.cap)) for g in (True, False)}
         # a head's claims corrected by served rounds, greedy (True) and sampled (False) rows apart
         self.recalibration = {g: HeadRecalibration(max(1, length.cap)) for g in (True, False)} \
             if recalibrate_heads else None
@@ -132,7 +136,7 @@ class Drafting:
             if self.recalibration is None:
                 return list(draft.confidence)
             return self.recalibration[greedy].corrected(draft.confidence)
-        return self.online.confidences(draft.feature or [0] * len(draft))
+        return self.online[greedy].confidences(draft.feature or [0] * len(draft))
 
     def _scheduled(self, rows, drafts: list[Draft], batch_tokens: int, batch_rows: int) -> list[Draft]:
         """Algorithm 1 over the step: how many of its drafts each row verifies. A seeded
@@ -177,7 +181,7 @@ class Drafting:
         # its drafts) and the per-position curve count only what it proposed
         if draft.tokens and not draft.forced:
             if draft.confidence is None:
-                self.online.update(draft.feature or [0] * len(draft), kept)
+                self.online[row.params.is_greedy].update(draft.feature or [0] * len(draft), kept)
             elif self.recalibration is not None:
                 self.recalibration[row.params.is_greedy].update(draft.confidence, kept)
             for stats in (row.draft_stats, self.totals):
