@@ -148,9 +148,9 @@ def main() -> None:
         raise SystemExit("--prompts and --repeats must be at least 1, --per-stream at least 0")
     concurrencies = [int(x) for x in args.concurrency.split(",")]
     per_set = {c: max(args.prompts, -(-args.per_stream * c // 4)) for c in concurrencies}
-    pool = workloads(loaded.tokenizer, max(per_set.values()), ["eval"])["eval"]
-    sets = len(pool) // max(per_set.values())
-    per_set_pool = [pool[i * max(per_set.values()):(i + 1) * max(per_set.values())] for i in range(sets)]
+    most = max(per_set.values())
+    pool = workloads(loaded.tokenizer, most, ["eval"])["eval"]  # `most` of each set, the sets in turn
+    per_set_pool = [pool[i:i + most] for i in range(0, len(pool), most)]
 
     def prompts_for(c: int) -> list[list[int]]:  # the first n of every set, the sets in turn
         return [p for chunk in per_set_pool for p in chunk[:per_set[c]]]

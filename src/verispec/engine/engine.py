@@ -208,13 +208,6 @@ class Engine:
             else:
                 row.features.append(tuple(h[:positions].clone() for h in hidden))  # not a view of the batch
 
-    @staticmethod
-    def _features_of(row: Row):
-        """Per tap, every cached position's features in order, or None."""
-        if not row.features:
-            return None
-        return tuple(torch.cat([f[tap] for f in row.features]) for tap in range(len(row.features[0])))
-
     def max_new_tokens(self, prompt_len: int) -> int:
         """The most tokens a request with this prompt may ask for: what is left of the
         context window, and what the KV budget can hold for one row. A row's bytes grow
@@ -412,7 +405,7 @@ class Engine:
                 if item.chunk.completes_prompt:
                     item.row.state = RowState.DECODE
                     if self.prefix is not None and self.scheduler.waits_on(item.row):  # n > 1: the twins reuse it
-                        self.prefix.insert(item.row.request.prompt_ids, item.row.kv, self._features_of(item.row))
+                        self.prefix.insert(item.row.request.prompt_ids, item.row.kv, item.row.features)
                 drafting.prefill(item.row, item.tokens, item.hidden)
         emitting = [w for w in done if w.emits and w.row.state is not RowState.FINISHED]
         for item, infos in (runner.decide(emitting, self._fail) if emitting else []):
@@ -510,7 +503,7 @@ class Engine:
         if row.state is RowState.FINISHED:
             return
         if self.prefix is not None and row.kv is not None and row.state is RowState.DECODE and reason != FINISH_ERROR:
-            self.prefix.insert(list(row.request.prompt_ids) + row.output, row.kv, self._features_of(row))
+            self.prefix.insert(list(row.request.prompt_ids) + row.output, row.kv, row.features)
         self.scheduler.remove(row)
         self._rows.pop(row.id, None)
         self.drafting.detach(row)

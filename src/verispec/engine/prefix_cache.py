@@ -126,15 +126,16 @@ class PrefixCache:
 
     # -- insert and evict ------------------------------------------------------------------
 
-    def insert(self, tokens: list[int], seq: SequenceKV, features: tuple[torch.Tensor, ...] | None = None) -> None:
+    def insert(self, tokens: list[int], seq: SequenceKV,
+               features: list[tuple[torch.Tensor, ...]] | None = None) -> None:
         """Keep the KV of `tokens` (a finished row's prompt + output; the sequence holds at
         least the first len(tokens) - 1 of them) at the largest block boundary held, and
-        the tapped features of those positions where given (per tap, one row a position
-        from the first)."""
+        the tapped features of those positions where given: per forward that wrote the
+        sequence, in order, its rows' features (one tensor per tap; `Row.features`)."""
         length = min(seq.length, len(tokens) - 1) // self.block * self.block
         if length < self.block:
             return
-        if features is not None and min(len(f) for f in features) < length:
+        if features is not None and sum(len(f[0]) for f in features) < length:
             features = None  # not every position's: a source reading them cannot use the entry
         key = tuple(tokens[:length])
         if key in self.entries and (self.entries[key].features is not None or features is None):
@@ -153,7 +154,7 @@ class PrefixCache:
                 slots = torch.arange(first, length) % seq.slots[layer]
                 keys.append(seq.keys[layer][:, slots].clone())
                 values.append(seq.values[layer][:, slots].clone())
-        kept = None if features is None else tuple(f[:length].clone() for f in features)
+        kept = None if features is None else _first_rows(features, length)
         nbytes = sum(t.nelement() * t.element_size() for t in keys + values + list(kept or ()))
         if nbytes > self.max_bytes:
             return
@@ -199,3 +200,14 @@ class PrefixCache:
                 "lookups": self.lookups, "hits": self.hits,
                 "hit_rate": round(self.hit_tokens / self.looked_up_tokens, 4) if self.looked_up_tokens else 0.0,
                 "hit_tokens": self.hit_tokens, "evictions": self.evictions, "block": self.block}
+
+
+def _first_rows(record: list[tuple[torch.Tensor, ...]], length: int) -> tuple[torch.Tensor, ...]:
+    """Per tap, the first `length` rows of a record of forwards' features, in one copy."""
+    parts, held = [], 0
+    for forward in record:
+        if held >= length:
+            break
+        parts.append(tuple(f[: length - held] for f in forward))
+        held += len(forward[0])
+    return tuple(torch.cat([part[tap] for part in parts]) for tap in range(len(record[0])))
