@@ -155,6 +155,36 @@ def test_the_amx_kernel_decodes_like_transformers_and_batch_invariantly(folders,
     _assert_batch_invariant(model)
 
 
+def test_int8_roles_on_amx_tiles_change_no_logit(folders, monkeypatch, tmp_path):
+    """A q8_0 plan whose int8 calls run on AMX-INT8 tiles from 2 rows (whatever the timings
+    say here): the same logits, bit for bit, as the plan that never uses the tiles (the
+    oracle: the VNNI path), a row's logits still independent of the batch, and the plan
+    names the switch."""
+    if not kernels.load().amx_int8():
+        pytest.skip("no AMX-INT8 on this CPU (or the OS refused the tile state)")
+    folder = folders["qwen3"][0]
+    prompt, cont = [5, 9, 14, 22, 31, 40], [7, 1, 60, 33, 12, 90, 45, 8, 19, 27, 3, 55]
+    logits = {}
+    for start in (0, 2):
+        monkeypatch.setattr(kernel_plan, "amx_threshold", lambda timings, start=start: start)
+        monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / f"cache-{start}"))  # a plan of its own, not the cached one
+        model = load_folder(folder, dtype=torch.float32, kernels="invariant", quant="q8_0")
+        int8 = {r: k for r, k in model.kernel_plan.linear.items() if k.partition(":")[0].endswith("-i8")}
+        assert int8 and all(k.endswith(":2") == bool(start) for k in int8.values()), int8
+        assert all(layer.amx_from == start for r in int8 for layer in model.linears()[r])
+        logits[start] = _logits_of(model, prompt, cont, [8, 1, 3])  # 8-row and 3-row calls on tiles, 1-row not
+        if start:
+            _assert_batch_invariant(model)
+    assert torch.equal(logits[2], logits[0])
+
+
+def test_amx_threshold_is_where_the_tiles_stay_faster():
+    assert kernel_plan.amx_threshold({"1": [10, 12], "2": [10, 11], "4": [16, 13], "9": [20, 15], "16": [27, 21]}) == 4
+    assert kernel_plan.amx_threshold({"1": [10, 9], "2": [10, 11], "4": [16, 13], "16": [27, 21]}) == 4  # not from 1
+    assert kernel_plan.amx_threshold({"1": [10, 12], "4": [16, 13], "16": [27, 28]}) == 0  # slower at the largest
+    assert kernel_plan.amx_threshold({"1": [10, 9], "16": [27, 21]}) == 1
+
+
 def test_a_plan_is_measured_once_and_reused_until_its_key_changes(folders, monkeypatch):
     folder = folders["llama"][0]
     calls = []

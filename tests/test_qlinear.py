@@ -109,6 +109,24 @@ def test_int8_kernels_are_the_int8_activation_product(mod, n, k, fmt):
         torch.testing.assert_close(mod.qlinear(x, blocks, bias, kernels.FORMATS[fmt], n, 3), y, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_int8_kernels_amx_path_gives_the_vnni_paths_bits(mod, fmt):
+    """AMX-INT8 tiles compute the same exact integer dots as vpdpbusd and the same float
+    epilogue, so every output bit equals the VNNI path's (the engine switches paths by row
+    count: the model must not change), at every row count, past 16-row chunks, with and
+    without bias, on widths that are not whole tiles."""
+    if not mod.amx_int8():
+        pytest.skip("no AMX-INT8 on this CPU (or no tile permission from its kernel)")
+    for n, k in ((130, 96), (49, 640), (1000, 576)):
+        tiles = interleave16_blocks(quantize(_weights(n, k), fmt), fmt)
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(5))
+        for m in (1, 2, 5, 9, 16, 17, 33):
+            x = _rows(m, k) * 3
+            for b in (None, bias):
+                vnni = mod.qlinear16(x, tiles, b, kernels.FORMATS[fmt], n, 3)
+                assert torch.equal(mod.qlinear16(x, tiles, b, kernels.FORMATS[fmt], n, 4), vnni), (n, k, m)
+
+
 def test_bf16_kernel_is_a_bf16_product_with_float32_sums(mod):
     if not mod.bf16dot():
         pytest.skip("no AVX512-BF16 on this CPU")

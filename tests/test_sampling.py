@@ -542,3 +542,22 @@ def test_batch_errors():
         process_logits(logits, [SamplingParams(logit_bias={VOCAB: 1.0})] * 2)
     with pytest.raises(ValueError, match="prompt_histories"):
         process_logits(logits, [SamplingParams(repetition_penalty=1.2)] * 2)
+
+
+def test_greedy_tokens_are_argmax_on_ties_nan_and_infinities():
+    """The oracle is torch.argmax (the first maximal index): greedy_tokens takes another
+    route for speed and must pick the same token in every row, whatever the row holds."""
+    from verispec.engine.sampling import greedy_tokens
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        rows, width = int(torch.randint(1, 12, (1,), generator=g)), int(torch.randint(1, 70000, (1,), generator=g))
+        x = torch.randint(-2, 3, (rows, width), generator=g).float()  # every row full of ties
+        if trial % 3 == 0:
+            x[0, int(torch.randint(0, width, (1,), generator=g))] = float("nan")
+        if trial % 4 == 0:
+            x[-1] = float("-inf")
+        if trial % 5 == 0:
+            x[:, width // 2:] = float("inf")
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(greedy_tokens(x.to(dtype)), x.to(dtype).argmax(dim=-1)), (trial, dtype)

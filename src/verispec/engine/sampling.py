@@ -600,6 +600,15 @@ def _as_long_tensor(history: History | None, device: torch.device) -> torch.Tens
 # Sampling
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, the first index on ties (NaN counts as the largest, as argmax has
+    it), by `max(dim=-1).indices`: the same indices as `argmax(dim=-1)` (tests/test_sampling.py
+    compares them on ties, NaN and infinities), for about a third of its time on CPU: on
+    Gemma's 262,144-entry rows 11 rows took 2.2 ms by argmax and 0.8 by max, every greedy
+    step, a step of 4 rows of gemma3-270m being ~45 ms."""
+    return logits.max(dim=-1).indices
+
+
 def sampling_probs(processed: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """The exact distribution :func:`sample` draws each row from: ``softmax(processed)``
     for sampled rows, a point mass at the argmax for greedy rows. This is the p (target)
@@ -609,7 +618,7 @@ def sampling_probs(processed: torch.Tensor, params: Sequence[SamplingParams]) ->
     if greedy_rows:
         index = torch.tensor(greedy_rows, device=processed.device)
         one_hot = torch.zeros_like(probs[index])
-        one_hot.scatter_(1, processed[index].argmax(dim=-1, keepdim=True), 1.0)
+        one_hot.scatter_(1, greedy_tokens(processed[index]).unsqueeze(1), 1.0)
         probs.index_copy_(0, index, one_hot)
     return probs
 
@@ -634,7 +643,7 @@ def sample(
         )
     greedy = [p._greedy for p in params]
     if all(greedy):
-        return processed.argmax(dim=-1)
+        return greedy_tokens(processed)
     rows_by_generator: dict[int, tuple[torch.Generator, list[int]]] = {}
     sampled: list[int] = []
     for row, (p, generator) in enumerate(zip(params, generators)):
@@ -662,7 +671,7 @@ def sample(
     if everyone:
         return drawn_tokens
     # argmax costs about as much as a draw on CPU: run it only where it is needed.
-    return processed.argmax(dim=-1).index_copy_(0, index, drawn_tokens)
+    return greedy_tokens(processed).index_copy_(0, index, drawn_tokens)
 
 
 # Entries per block of the two-level CDF below: on Gemma's 262,144-entry rows a float64

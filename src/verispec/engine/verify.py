@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verispec.engine.sampling import SamplingParams, inverse_cdf_draw, sample
+from verispec.engine.sampling import SamplingParams, greedy_tokens, inverse_cdf_draw, sample
 
 # q(x) below this is treated as this: a token the draft could (numerically) not have
 # drawn is accepted only with probability p / 1e-10, i.e. always when p is not tiny
@@ -63,7 +63,7 @@ def verify(processed: torch.Tensor, rows: list[VerifyRow]) -> list[tuple[int, in
 
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
     if greedy:
-        targets = processed.argmax(dim=-1).tolist()
+        targets = greedy_tokens(processed).tolist()
         for i in greedy:
             a, b = spans[i]
             results[i] = _first_mismatch(rows[i].drafts, targets[a:b])

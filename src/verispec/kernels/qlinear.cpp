@@ -767,6 +767,177 @@ void kernel_qx16(const QuantizedRows& xq, const uint8_t* w16, const float* bias,
   }
 }
 
+// ---------------------------------------------------------------------------- AMX-INT8, 16-interleaved
+//
+// The same tiles and the same arithmetic as kernel_qx16, with each block's integer dot
+// products computed by one AMX tile instruction for up to 16 rows at once instead of eight
+// vpdpbusd per row. TDPBSUD multiplies signed bytes (x's rows, block b: a 16 x 32 byte
+// tile) by unsigned bytes (the block's 16 columns: q8_0's 8 groups of 64 bytes are
+// already AMX's B layout, four consecutive K values of each column per tile row; q4_1's
+// nibbles are unpacked into it) into exact int32 sums; q8_0 adds -128 * sum(x_q), as
+// kernel_qx16 starts from, so each (row, column, block) gets the same integer. The float
+// epilogue is kernel_qx16's, operation for operation (one conversion, d_c * dx, one fma
+// per block in block order; q4_1's m terms in their own accumulator; (acc + m acc) +
+// bias): the output is bit-equal to kernel_qx16's for any M, so the engine may use either
+// at any row count and the model does not change (tests/test_qlinear.py checks the bits).
+// Where it pays: the VNNI kernel's work grows with the rows (eight vpdpbusd, a
+// conversion and two multiplies per row and block), the tile instruction's does not, so a
+// verify block or a step of several rows reads the weights once at nearly a 1-row price;
+// the engine picks it by rows (a threshold measured at start: models/linear.py).
+
+int amx_int8_state = -1;  // -1 unknown, 0 no, 1 ready
+constexpr int AMX_INT8_PREFETCH = 6;  // blocks ahead of the tile loads
+
+// AMX-TILE and AMX-INT8 in CPUID (leaf 7, EDX bits 24 and 25), AVX-512 VNNI for the
+// epilogue's ISA, and the process's permission for the tile state
+bool has_amx_int8() {
+  if (amx_int8_state >= 0) return amx_int8_state == 1;
+  amx_int8_state = 0;
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+      !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("f16c"))
+    return false;
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;
+#ifdef SYS_arch_prctl
+  if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return false;
+  amx_int8_state = 1;
+#endif
+  return amx_int8_state == 1;
+}
+
+// one block's int32 dots of 16 padded rows x 16 columns into out (tiles: C in tc, x in ta,
+// weights in tb; two sets alternate so one block's tile work overlaps the last's epilogue;
+// a macro: the tile intrinsics take their register numbers as literals)
+#define AMX_BLOCK_DOTS(tc, ta, tb, x, K, b, out) \
+  {                                              \
+    _tile_loadd(ta, x, K);                       \
+    _tile_loadd(tb, b, 64);                      \
+    _tile_zero(tc);                              \
+    _tile_dpbsud(tc, ta, tb);                    \
+    _tile_stored(tc, out, 64);                   \
+  }
+
+// MT rows (of the 16 the x tile holds) of one 16-column tile: first every block's tile
+// work, back to back into `dots` (a block's integer dots do not wait on the previous
+// block's epilogue, and the epilogue never reads a tile store just issued), then the
+// float epilogue over the blocks in order
+template <int FMT, int MT>
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+inline void qx16_tile_amx(const QuantizedRows& xq, const uint8_t* tile, const float* bias, float* y, int64_t N,
+                          int64_t K, int64_t m0, int64_t n, int32_t* dots) {
+  const int64_t nb = K / BLOCK;
+  constexpr int TBYTES = FMT == Q4_1 ? Q4X16_BYTES : Q8X16_BYTES;
+  constexpr int DOT_INTS = AMX_ROWS * 16;
+  const int8_t* x0 = xq.q.data() + m0 * K;
+  if constexpr (FMT == Q4_1) {
+    alignas(64) uint8_t unpacked[2][8 * 64];
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    for (int64_t blk = 0; blk < nb; blk++) {
+      const uint8_t* p = tile + blk * TBYTES;
+      uint8_t* u = unpacked[blk & 1];
+      const char* ahead = (const char*)p + AMX_INT8_PREFETCH * TBYTES;
+#pragma GCC unroll 5
+      for (int l = 0; l < TBYTES; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+#pragma GCC unroll 4
+      for (int g = 0; g < 4; g++) {  // tile row g: elements 4g..4g+3 (low nibbles); row 4 + g: 16 + 4g.. (high)
+        const __m512i q = _mm512_loadu_si512((const void*)(p + 64 + 64 * g));
+        _mm512_store_si512((void*)(u + 64 * g), _mm512_and_si512(q, low4));
+        _mm512_store_si512((void*)(u + 64 * (g + 4)), _mm512_and_si512(_mm512_srli_epi16(q, 4), low4));
+      }
+      if (blk & 1) AMX_BLOCK_DOTS(1, 3, 5, x0 + blk * BLOCK, K, u, dots + blk * DOT_INTS)
+      else AMX_BLOCK_DOTS(0, 2, 4, x0 + blk * BLOCK, K, u, dots + blk * DOT_INTS)
+    }
+  } else {
+    int64_t blk = 0;
+    for (; blk + 2 <= nb; blk += 2) {
+      // tile loads are not followed by the hardware prefetcher as vector loads are: ask
+      // for the weights a few blocks ahead (the next tile follows this one in memory)
+      const char* ahead = (const char*)tile + (blk + AMX_INT8_PREFETCH) * TBYTES;
+#pragma GCC unroll 17
+      for (int l = 0; l < 2 * TBYTES; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+      AMX_BLOCK_DOTS(0, 2, 4, x0 + blk * BLOCK, K, tile + blk * TBYTES + 32, dots + blk * DOT_INTS)
+      AMX_BLOCK_DOTS(1, 3, 5, x0 + (blk + 1) * BLOCK, K, tile + (blk + 1) * TBYTES + 32, dots + (blk + 1) * DOT_INTS)
+    }
+    if (blk < nb) AMX_BLOCK_DOTS(0, 2, 4, x0 + blk * BLOCK, K, tile + blk * TBYTES + 32, dots + blk * DOT_INTS)
+  }
+  __m512 acc[MT], macc[MT];
+#pragma GCC unroll 16
+  for (int t = 0; t < MT; t++) { acc[t] = _mm512_setzero_ps(); macc[t] = _mm512_setzero_ps(); }
+  for (int64_t blk = 0; blk < nb; blk++) {
+    const uint8_t* p = tile + blk * TBYTES;
+    const int32_t* db = dots + blk * DOT_INTS;
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+    __m512 mv = _mm512_setzero_ps();
+    if constexpr (FMT == Q4_1) mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + 32)));
+#pragma GCC unroll 16
+    for (int t = 0; t < MT; t++) {
+      const int64_t r = m0 + t;
+      __m512i dot = _mm512_load_si512((const void*)(db + t * 16));
+      if constexpr (FMT == Q8_0) dot = _mm512_add_epi32(dot, _mm512_set1_epi32(-128 * xq.isum[r * nb + blk]));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, _mm512_set1_ps(xq.scale[r * nb + blk])),
+                               acc[t]);
+      if constexpr (FMT == Q4_1) macc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xq.qsum[r * nb + blk]), macc[t]);
+    }
+  }
+  const __mmask16 mask = (__mmask16)tile_mask16(n, N);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+  for (int t = 0; t < MT; t++) {
+    const __m512 v = FMT == Q4_1 ? _mm512_add_ps(acc[t], macc[t]) : acc[t];
+    _mm512_mask_storeu_ps(y + (m0 + t) * N + n, mask, _mm512_add_ps(v, bv));
+  }
+}
+
+// tiles 0-1: C (rows x 16 int32), 2-3: x (rows x 32 bytes), 4-5: weights (8 rows x 64 bytes)
+__attribute__((target("amx-tile")))
+inline void configure_amx_int8(int rows) {
+  alignas(64) TileConfig cfg;
+  std::memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 2; t++) {
+    cfg.rows[t] = rows;
+    cfg.colsb[t] = 64;
+    cfg.rows[2 + t] = rows;
+    cfg.colsb[2 + t] = BLOCK;
+    cfg.rows[4 + t] = BLOCK / 4;
+    cfg.colsb[4 + t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// the tiles configured for the rows of each call's 16-row chunks (the last may be shorter)
+template <int FMT>
+__attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+void kernel_qx16_amx(const QuantizedRows& xq, const uint8_t* w16, const float* bias, float* y, int64_t M, int64_t N,
+                     int64_t K, int64_t t0, int64_t t1) {
+  constexpr int TBYTES = FMT == Q4_1 ? Q4X16_BYTES : Q8X16_BYTES;
+  const int64_t nb = K / BLOCK;
+  int configured = 0;  // the rows the tiles are configured for (x and C tiles hold only the rows computed)
+  thread_local std::vector<int32_t> dots_buffer;  // every block's 16 x 16 int32 dots of one tile
+  const int64_t dot_ints = nb * AMX_ROWS * 16 + 16;
+  if ((int64_t)dots_buffer.size() < dot_ints) dots_buffer.resize(dot_ints);
+  int32_t* dots = (int32_t*)(((uintptr_t)dots_buffer.data() + 63) & ~(uintptr_t)63);
+  for (int64_t t = t0; t < t1; t++) {
+    const uint8_t* tile = w16 + t * nb * TBYTES;
+    const int64_t n = t * 16;
+    for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
+      const int rows = (int)std::min<int64_t>(AMX_ROWS, M - m0);
+      if (rows != configured) configure_amx_int8(configured = rows);
+      switch (rows) {
+#define AMX_ROWS_CASE(R) case R: qx16_tile_amx<FMT, R>(xq, tile, bias, y, N, K, m0, n, dots); break;
+        AMX_ROWS_CASE(16) AMX_ROWS_CASE(15) AMX_ROWS_CASE(14) AMX_ROWS_CASE(13) AMX_ROWS_CASE(12) AMX_ROWS_CASE(11)
+        AMX_ROWS_CASE(10) AMX_ROWS_CASE(9) AMX_ROWS_CASE(8) AMX_ROWS_CASE(7) AMX_ROWS_CASE(6) AMX_ROWS_CASE(5)
+        AMX_ROWS_CASE(4) AMX_ROWS_CASE(3) AMX_ROWS_CASE(2) AMX_ROWS_CASE(1)
+#undef AMX_ROWS_CASE
+        default: break;
+      }
+    }
+  }
+  _tile_release();
+}
+#undef AMX_BLOCK_DOTS
+
 // The same on AVX2 without VNNI: each 16-lane register is two 8-lane halves (columns 0-7,
 // 8-15) with the same float operations per lane, and the integer dots are the same exact
 // integers by another route (maddubs then madd with ones sums the same four bytes per
@@ -1047,7 +1218,7 @@ void kernel_scalar(const float* x, const uint8_t* w, const float* bias, float* y
   }
 }
 
-enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, VNNI = 3 };
+enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, VNNI = 3, AMX_INT8 = 4 };
 
 bool has_vnni() {
   __builtin_cpu_init();
@@ -1188,13 +1359,15 @@ torch::Tensor bf16amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<tor
 // q [n, H, D], k and v [G, S, D] float32 (G KV heads, H a multiple of G), mask [n, S]
 // bool (true = attend) or undefined (every key); returns [n, H, D] float32
 // x float32 [M, K]; w the 16-interleaved q4_1 / q8_0 tiles (N rounded up to 16)
-// isa: -1 the best this CPU has, 3 VNNI, 1 AVX2 (both give the same bits)
+// isa: -1 the best this CPU has without AMX, 4 AMX-INT8, 3 VNNI, 1 AVX2 (all give the same bits)
 torch::Tensor qlinear16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t fmt, int64_t N,
                         int64_t isa) {
   if (isa < 0) isa = has_vnni() ? VNNI : AVX2;
+  const bool amx = isa == AMX_INT8;
   const bool vnni = isa == VNNI;
-  TORCH_CHECK(isa == VNNI || isa == AVX2, "qlinear16 runs on VNNI (3) or AVX2 (1)");
+  TORCH_CHECK(isa == VNNI || isa == AVX2 || amx, "qlinear16 runs on AMX-INT8 (4), VNNI (3) or AVX2 (1)");
   TORCH_CHECK(!vnni || has_vnni(), "this CPU has no AVX-512 VNNI");
+  TORCH_CHECK(!amx || has_amx_int8(), "this CPU (or its kernel) offers no AMX-INT8");
   TORCH_CHECK(vnni || best_isa() >= AVX2, "this CPU has no AVX2");
   TORCH_CHECK(fmt == Q4_1 || fmt == Q8_0, "qlinear16 reads q4_1 and q8_0 tiles");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
@@ -1214,7 +1387,9 @@ torch::Tensor qlinear16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
   float* yp = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, tiles / (4 * std::max(1, at::get_num_threads())));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    if (vnni && fmt == Q4_1) kernel_qx16<Q4_1>(xq, wp, bptr, yp, M, N, K, t0, t1);
+    if (amx && fmt == Q4_1) kernel_qx16_amx<Q4_1>(xq, wp, bptr, yp, M, N, K, t0, t1);
+    else if (amx) kernel_qx16_amx<Q8_0>(xq, wp, bptr, yp, M, N, K, t0, t1);
+    else if (vnni && fmt == Q4_1) kernel_qx16<Q4_1>(xq, wp, bptr, yp, M, N, K, t0, t1);
     else if (vnni) kernel_qx16<Q8_0>(xq, wp, bptr, yp, M, N, K, t0, t1);
     else if (fmt == Q4_1) kernel_qx16_256<Q4_1>(xq, wp, bptr, yp, M, N, K, t0, t1);
     else kernel_qx16_256<Q8_0>(xq, wp, bptr, yp, M, N, K, t0, t1);
@@ -1565,6 +1740,7 @@ int64_t isa() { return best_isa(); }
 bool bf16dot() { return has_avx512bf16(); }
 bool bf16amx() { return has_amx_bf16(); }
 bool vnni() { return has_vnni(); }
+bool amx_int8() { return has_amx_int8(); }
 int64_t int8dot() { return has_vnni() ? VNNI : best_isa() >= AVX2 ? AVX2 : 0; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1572,7 +1748,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the ISA the float kernels dispatch to: 0 scalar, 1 avx2, 2 avx512");
   m.def("vnni", &vnni, "whether the int8-activation VNNI kernel runs here");
   m.def("bf16_linear", &bf16_linear, "bf16 x bf16 linear with float32 sums (AVX512-BF16, batch-invariant)");
-  m.def("qlinear16", &qlinear16, "q4_1 / q8_0 16-column tiles x int8 activations (VNNI or AVX2, batch-invariant)",
+  m.def("amx_int8", &amx_int8, "whether qlinear16's AMX-INT8 path runs here (CPU and kernel permission)");
+  m.def("qlinear16", &qlinear16, "q4_1 / q8_0 16-column tiles x int8 activations (AMX-INT8, VNNI or AVX2; batch-invariant)",
         py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("fmt"), py::arg("N"), py::arg("isa") = -1);
   m.def("int8dot", &int8dot, "the ISA of the int8-activation kernels here: 3 VNNI, 1 AVX2, 0 none");
   m.def("rope_", &rope_, "RoPE in place (float32 / bfloat16)");

@@ -36,7 +36,12 @@ What is chosen:
   AVX512-BF16 is missing, so an AVX2-only host has an invariant plan for both models.
   PLAN_VERSION 5: a bf16 matrix may take `bf16amx` where the CPU has AMX (batch-invariant
   too; a 9-row verify block costs it ~1.2 single rows where bf16dot's costs ~2.5: on the
-  Intel AMX host, what Gemma-3's verify forwards paid most for).
+  Intel AMX host, what Gemma-3's verify forwards paid most for). PLAN_VERSION 6: where
+  AMX-INT8 runs, a role given an `-i8` kernel is timed again on both of its paths (VNNI
+  and AMX tiles, bit-equal) at `AMX_ROWS` row counts, and from the smallest count at which
+  the tiles are faster there and at every larger count timed, its calls run on AMX
+  (`q8_0-i8:R`; models/linear.py). The choice changes no result, only the price of a
+  many-row call: Gemma-3's q8_0 lm_head, two fifths of a 4-row step's time here.
 
 Checked by tests/test_kernel_plan.py (a plan is cached and reused, invalidated by its key;
 forced modes; lossless quantization found exactly where it exists) and, end to end, by
@@ -57,8 +62,9 @@ import torch
 from verispec.models import profiles
 from verispec.models.linear import BF16_KERNELS, Linear, amx_allowed, kernel_runs
 
-PLAN_VERSION = 5
+PLAN_VERSION = 6
 VERIFY_ROWS = 9  # a verify block: 8 drafts + the pending token (the engine's default)
+AMX_ROWS = (1, 2, 3, 4, 6, 8, 9, 12, 16)  # row counts an -i8 role's two paths are timed at
 MEMORY_BYTES = 48 * 2**20  # weight copies per timing, so a decode-like read comes from DRAM
 MAX_COPIES = 24
 MODES = ("auto", "invariant", "fastest", "onednn")
@@ -77,6 +83,7 @@ class KernelPlan:
     key: dict = field(default_factory=dict)
     note: str = ""
     step_us: float = 0.0  # what the plan's kernels add up to per decode + verify step, for choosing a dtype
+    amx_timings: dict = field(default_factory=dict)  # -i8 role -> rows -> [VNNI us, AMX-INT8 us]
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -157,25 +164,44 @@ def _copies(weight: torch.Tensor, kernel: str, dtype: torch.dtype) -> list[Linea
     return out
 
 
+def _time_calls(layers: list[Linear], rows: int, dtype: torch.dtype, passes: int) -> float:
+    """Microseconds per call of `rows` rows, the best pass over every copy (read from memory)."""
+    x = torch.randn(rows, layers[0].in_features).to(dtype)
+    for layer in layers[:2]:
+        layer(x)
+    best = float("inf")
+    for _ in range(passes):
+        t = time.perf_counter()
+        for layer in layers:
+            layer(x)
+        best = min(best, (time.perf_counter() - t) / len(layers))
+    return round(best * 1e6, 1)
+
+
 @torch.inference_mode()
 def time_linear(weight: torch.Tensor, kernel: str, dtype: torch.dtype, rows=(1, VERIFY_ROWS), passes: int = 3) -> dict:
     """Microseconds per call at each row count, cycling through copies (read from memory)."""
     layers = _copies(weight, kernel, dtype)
-    if not layers:
+    return {"1" if m == 1 else "V": _time_calls(layers, m, dtype, passes) for m in rows} if layers else {}
+
+
+@torch.inference_mode()
+def time_amx_paths(weight: torch.Tensor, kernel: str, dtype: torch.dtype, passes: int = 3) -> dict[int, list[float]]:
+    """An -i8 kernel's two paths, VNNI and AMX-INT8 tiles, at each of AMX_ROWS:
+    {rows: [VNNI us, AMX us]}; {} where AMX-INT8 does not run."""
+    vnni, amx = _copies(weight, kernel, dtype), _copies(weight, f"{kernel}:1", dtype)
+    if not vnni or not amx or not amx[0].amx_from:
         return {}
-    out = {}
-    for m in rows:
-        x = torch.randn(m, weight.shape[1]).to(dtype)
-        for layer in layers[:2]:
-            layer(x)
-        best = float("inf")
-        for _ in range(passes):
-            t = time.perf_counter()
-            for layer in layers:
-                layer(x)
-            best = min(best, (time.perf_counter() - t) / len(layers))
-        out["1" if m == 1 else "V"] = round(best * 1e6, 1)
-    return out
+    return {m: [_time_calls(vnni, m, dtype, passes), _time_calls(amx, m, dtype, passes)] for m in AMX_ROWS}
+
+
+def amx_threshold(timings: dict) -> int:
+    """The smallest row count from which the AMX path was faster at every count timed (0: none)."""
+    start = 0
+    for m in sorted(timings, key=int):
+        vnni, amx = timings[m]
+        start = (start or int(m)) if amx < vnni else 0
+    return start
 
 
 @torch.inference_mode()
@@ -310,7 +336,14 @@ def measure_plan(model, dtype: torch.dtype, quant: str = "auto", mode: str = "au
     is_invariant = all(k in INVARIANT for k in choice.values()) and att == "invariant" and not unplanned
     used = {r: formats.get(r, str(dtype).removeprefix("torch.")) if choice[r] in INVARIANT - {"bf16dot", "bf16amx"}
             else str(dtype).removeprefix("torch.") for r in choice}
-    return KernelPlan(choice, att, is_invariant, used, timings, attention, {}, note, round(total(choice, att), 1))
+    step_us = round(total(choice, att), 1)
+    choice, amx = dict(choice), {}  # -i8 roles: from how many rows their calls run on AMX-INT8 tiles (bit-equal, so any choice is safe)
+    for role, kernel in choice.items():
+        if kernel.endswith("-i8") and (paths := time_amx_paths(roles[role][0].weight.detach(), kernel, dtype)):
+            amx[role] = {str(m): t for m, t in paths.items()}
+            if start := amx_threshold(amx[role]):
+                choice[role] = f"{kernel}:{start}"
+    return KernelPlan(choice, att, is_invariant, used, timings, attention, {}, note, step_us, amx)
 
 
 def plan_for(model, dtype: torch.dtype, quant: str = "auto", mode: str = "auto", refresh: bool = False,
@@ -345,11 +378,15 @@ def format_plan(plan: KernelPlan) -> str:
     lines = [f"{'role':<9} {'kernel':<12} {'1 row us':>9} {f'{VERIFY_ROWS} rows us':>10}  chosen"]
     for role, options in plan.timings.items():
         for kernel, t in sorted(options.items(), key=lambda kv: _score(kv[1])):
-            mark = "*" if plan.linear.get(role) == kernel else ""
+            mark = "*" if plan.linear.get(role, "").partition(":")[0] == kernel else ""
             lines.append(f"{role:<9} {kernel:<12} {t.get('1', float('nan')):>9.1f} {t.get('V', float('nan')):>10.1f}  {mark}")
     for kernel, t in plan.attention_timings.items():
         mark = "*" if plan.attention == kernel else ""
         lines.append(f"{'attention':<9} {kernel:<12} {t.get('1', float('nan')):>9.1f} {t.get('V', float('nan')):>10.1f}  {mark}")
+    for role, t in plan.amx_timings.items():
+        start = plan.linear.get(role, "").partition(":")[2]
+        lines.append(f"{role} on AMX-INT8 tiles {f'from {start} rows' if start else 'never'} (bit-equal to VNNI); "
+                     "rows: VNNI / AMX us: " + ", ".join(f"{m}: {v:.0f} / {a:.0f}" for m, (v, a) in t.items()))
     lines.append(f"formats: {', '.join(f'{r}={f}' for r, f in plan.formats.items())}")
     lines.append(f"-> {plan.note}; {'batch-invariant' if plan.invariant else 'not batch-invariant'}")
     return "\n".join(lines)

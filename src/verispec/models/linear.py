@@ -24,7 +24,12 @@ machine it runs on, and caches the choice):
 * `q8_0`, `q4_1` (+ `-i8`): verispec's weight-only kernels over GGUF's blocks, float32
               activations, or int8 activations (llama.cpp's arithmetic; AVX-512 VNNI or
               AVX2, the same bits on both);
-              fewer bytes per weight, batch-invariant by construction.
+              fewer bytes per weight, batch-invariant by construction;
+* `q8_0-i8:R`, `q4_1-i8:R`: the same kernel, its integer dots on AMX-INT8 tiles for calls
+              of R rows or more (bit-equal to the VNNI path, so the model does not change;
+              a tile instruction serves up to 16 rows, so on the Intel AMX host the
+              262144 x 640 Gemma-3 lm_head at 9 rows took 16 ms against VNNI's 20.6);
+              R is measured per role by models/kernel_plan.py where AMX-INT8 runs.
 
 Results of the float kernels differ from F.linear only by float rounding (tests compare
 against transformers with tolerances); the quantized ones compute a quantized model
@@ -39,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNELS = ("aten", "onednn", "bf16dot", "bf16amx", "bf16rows", "q8_0", "q4_1", "q8_0-i8", "q4_1-i8")  # + "onednn:C"
+KERNELS = ("aten", "onednn", "bf16dot", "bf16amx", "bf16rows", "q8_0", "q4_1", "q8_0-i8", "q4_1-i8")  # + "onednn:C", "-i8:R"
 QUANT_FORMATS = ("q8_0", "q4_1")
 BF16_KERNELS = ("bf16dot", "bf16amx", "bf16rows")  # verispec's kernels over the model's own bf16 weights
 
@@ -113,6 +118,7 @@ class Linear(nn.Module):
         self.blocks: torch.Tensor | None = None  # uint8 rows for verispec's kernels
         self._fmt = -1
         self._isa = -1
+        self.amx_from = 0  # -i8 kernels: rows from which a call runs on AMX-INT8 tiles (0: never)
         self._call = None  # verispec's kernels: the bound call (linear_forward)
         # verispec's kernels sum in float32: give that back as is, not rounded to the input's
         # dtype (the lm_head, whose logits are wanted in float32 anyway)
@@ -148,6 +154,8 @@ class Linear(nn.Module):
                 self.blocks = quantize(dense, fmt)
             self._fmt = kernels.FORMATS[fmt]
             self._isa = 3 if base.endswith("-i8") else -1  # 3: qlinear16 (int8 activations)
+            if base.endswith("-i8") and chunk and amx_allowed() and kernels.load().amx_int8():
+                self.amx_from = int(chunk)
         self.kernel = base if base != "onednn" or not chunk else kernel
         self._dtype = dense.dtype
         self._call = _kernel_call(self) if self.blocks is not None else None
@@ -186,10 +194,10 @@ def _kernel_call(layer: Linear):
         fn = mod.bf16_linear if layer.kernel == "bf16dot" else mod.bf16amx_linear
         return lambda x: fn(x, blocks, bias, n, float_out)
     if layer._isa == 3:
-        fn = mod.qlinear16
+        fn, amx_from = mod.qlinear16, layer.amx_from or 1 << 62
 
         def int8(x):
-            y = fn(x if x.dtype == torch.float32 else x.float(), blocks, bias, fmt, n)
+            y = fn(x if x.dtype == torch.float32 else x.float(), blocks, bias, fmt, n, 4 if x.shape[0] >= amx_from else -1)
             return y if float_out or x.dtype == torch.float32 else y.to(x.dtype)
 
         return int8
