@@ -124,7 +124,10 @@ def test_int8_kernels_amx_path_gives_the_vnni_paths_bits(mod, fmt):
             x = _rows(m, k) * 3
             for b in (None, bias):
                 vnni = mod.qlinear16(x, tiles, b, kernels.FORMATS[fmt], n, 3)
-                assert torch.equal(mod.qlinear16(x, tiles, b, kernels.FORMATS[fmt], n, 4), vnni), (n, k, m)
+                # every 16-row chunk on tiles, then only chunks of 4 / 9 rows or more (the rest by VNNI)
+                for amx_rows in (1, 4, 9):
+                    amx = mod.qlinear16(x, tiles, b, kernels.FORMATS[fmt], n, 4, amx_rows)
+                    assert torch.equal(amx, vnni), (n, k, m, amx_rows)
 
 
 def test_bf16_kernel_is_a_bf16_product_with_float32_sums(mod):

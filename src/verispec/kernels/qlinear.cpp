@@ -736,35 +736,38 @@ inline void qx16_tile(const QuantizedRows& xq, const uint8_t* tile, const float*
   }
 }
 
+// rows [m0, m1) of one 16-column tile
+template <int FMT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+inline void qx16_rows(const QuantizedRows& xq, const uint8_t* tile, const float* bias, float* y, int64_t N, int64_t K,
+                      int64_t m0, int64_t m1, int64_t n) {
+  if (m1 - m0 == 9) {  // a full verify block in one pass
+    qx16_tile<FMT, 9>(xq, tile, bias, y, N, K, m0, n);
+    return;
+  }
+  for (; m1 - m0 >= 8; m0 += 8) qx16_tile<FMT, 8>(xq, tile, bias, y, N, K, m0, n);
+  // the rest in one pass: a lone row's eight vpdpbusd are one dependent chain, so a
+  // 2 + 1 split costs about two 2-row passes (the SPS table showed 3 tokens at a
+  // 4-token price, 5-7 tokens at two passes' price)
+  switch (m1 - m0) {
+    case 7: qx16_tile<FMT, 7>(xq, tile, bias, y, N, K, m0, n); break;
+    case 6: qx16_tile<FMT, 6>(xq, tile, bias, y, N, K, m0, n); break;
+    case 5: qx16_tile<FMT, 5>(xq, tile, bias, y, N, K, m0, n); break;
+    case 4: qx16_tile<FMT, 4>(xq, tile, bias, y, N, K, m0, n); break;
+    case 3: qx16_tile<FMT, 3>(xq, tile, bias, y, N, K, m0, n); break;
+    case 2: qx16_tile<FMT, 2>(xq, tile, bias, y, N, K, m0, n); break;
+    case 1: qx16_tile<FMT, 1>(xq, tile, bias, y, N, K, m0, n); break;
+    default: break;
+  }
+}
+
 template <int FMT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 void kernel_qx16(const QuantizedRows& xq, const uint8_t* w16, const float* bias, float* y, int64_t M, int64_t N,
                  int64_t K, int64_t t0, int64_t t1) {
   constexpr int TB = FMT == Q4_1 ? Q4X16_BYTES : Q8X16_BYTES;
   const int64_t nb = K / BLOCK;
-  for (int64_t t = t0; t < t1; t++) {
-    const uint8_t* tile = w16 + t * nb * TB;
-    const int64_t n = t * 16;
-    int64_t m0 = 0;
-    if (M == 9) {  // a full verify block in one pass
-      qx16_tile<FMT, 9>(xq, tile, bias, y, N, K, m0, n);
-      m0 = 9;
-    }
-    for (; M - m0 >= 8; m0 += 8) qx16_tile<FMT, 8>(xq, tile, bias, y, N, K, m0, n);
-    // the rest in one pass: a lone row's eight vpdpbusd are one dependent chain, so a
-    // 2 + 1 split costs about two 2-row passes (the SPS table showed 3 tokens at a
-    // 4-token price, 5-7 tokens at two passes' price)
-    switch (M - m0) {
-      case 7: qx16_tile<FMT, 7>(xq, tile, bias, y, N, K, m0, n); break;
-      case 6: qx16_tile<FMT, 6>(xq, tile, bias, y, N, K, m0, n); break;
-      case 5: qx16_tile<FMT, 5>(xq, tile, bias, y, N, K, m0, n); break;
-      case 4: qx16_tile<FMT, 4>(xq, tile, bias, y, N, K, m0, n); break;
-      case 3: qx16_tile<FMT, 3>(xq, tile, bias, y, N, K, m0, n); break;
-      case 2: qx16_tile<FMT, 2>(xq, tile, bias, y, N, K, m0, n); break;
-      case 1: qx16_tile<FMT, 1>(xq, tile, bias, y, N, K, m0, n); break;
-      default: break;
-    }
-  }
+  for (int64_t t = t0; t < t1; t++) qx16_rows<FMT>(xq, w16 + t * nb * TB, bias, y, N, K, 0, M, t * 16);
 }
 
 // ---------------------------------------------------------------------------- AMX-INT8, 16-interleaved
@@ -906,11 +909,15 @@ inline void configure_amx_int8(int rows) {
   _tile_loadconfig(&cfg);
 }
 
-// the tiles configured for the rows of each call's 16-row chunks (the last may be shorter)
+// The rows in chunks of 16, on tiles configured for the chunk's rows: a call of fewer than
+// 16 rows when it has at least `amx_rows`, and every whole 16-row chunk of a longer call;
+// a longer call's last, partial chunk goes by the VNNI path (a chunk's tile work costs
+// about as much for 4 rows as for 16: on Gemma's lm_head 20 rows as 16 + 4 on tiles took
+// 33 ms, as 16 on tiles + 4 by VNNI 27.6, all by VNNI 29.7). Bit-equal either way.
 template <int FMT>
 __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 void kernel_qx16_amx(const QuantizedRows& xq, const uint8_t* w16, const float* bias, float* y, int64_t M, int64_t N,
-                     int64_t K, int64_t t0, int64_t t1) {
+                     int64_t K, int64_t t0, int64_t t1, int64_t amx_rows) {
   constexpr int TBYTES = FMT == Q4_1 ? Q4X16_BYTES : Q8X16_BYTES;
   const int64_t nb = K / BLOCK;
   int configured = 0;  // the rows the tiles are configured for (x and C tiles hold only the rows computed)
@@ -923,6 +930,10 @@ void kernel_qx16_amx(const QuantizedRows& xq, const uint8_t* w16, const float* b
     const int64_t n = t * 16;
     for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
       const int rows = (int)std::min<int64_t>(AMX_ROWS, M - m0);
+      if (rows < amx_rows || (m0 > 0 && rows < AMX_ROWS)) {
+        qx16_rows<FMT>(xq, tile, bias, y, N, K, m0, M, n);
+        break;
+      }
       if (rows != configured) configure_amx_int8(configured = rows);
       switch (rows) {
 #define AMX_ROWS_CASE(R) case R: qx16_tile_amx<FMT, R>(xq, tile, bias, y, N, K, m0, n, dots); break;
@@ -934,7 +945,7 @@ void kernel_qx16_amx(const QuantizedRows& xq, const uint8_t* w16, const float* b
       }
     }
   }
-  _tile_release();
+  if (configured) _tile_release();
 }
 #undef AMX_BLOCK_DOTS
 
@@ -1359,15 +1370,17 @@ torch::Tensor bf16amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<tor
 // q [n, H, D], k and v [G, S, D] float32 (G KV heads, H a multiple of G), mask [n, S]
 // bool (true = attend) or undefined (every key); returns [n, H, D] float32
 // x float32 [M, K]; w the 16-interleaved q4_1 / q8_0 tiles (N rounded up to 16)
-// isa: -1 the best this CPU has without AMX, 4 AMX-INT8, 3 VNNI, 1 AVX2 (all give the same bits)
+// isa: -1 the best this CPU has without AMX, 4 AMX-INT8, 3 VNNI, 1 AVX2 (all give the same bits);
+// with 4, calls of at least amx_rows rows (default 1) run on tiles as kernel_qx16_amx says, the rest on VNNI
 torch::Tensor qlinear16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t fmt, int64_t N,
-                        int64_t isa) {
+                        int64_t isa, int64_t amx_rows) {
   if (isa < 0) isa = has_vnni() ? VNNI : AVX2;
-  const bool amx = isa == AMX_INT8;
-  const bool vnni = isa == VNNI;
-  TORCH_CHECK(isa == VNNI || isa == AVX2 || amx, "qlinear16 runs on AMX-INT8 (4), VNNI (3) or AVX2 (1)");
+  if (isa == AMX_INT8 && amx_rows <= 0) amx_rows = 1;
+  TORCH_CHECK(isa == VNNI || isa == AVX2 || isa == AMX_INT8, "qlinear16 runs on AMX-INT8 (4), VNNI (3) or AVX2 (1)");
+  const bool amx = isa == AMX_INT8 && x.size(0) >= amx_rows;
+  const bool vnni = isa == VNNI || isa == AMX_INT8;  // AMX-INT8 hosts have VNNI: the rows not on tiles
   TORCH_CHECK(!vnni || has_vnni(), "this CPU has no AVX-512 VNNI");
-  TORCH_CHECK(!amx || has_amx_int8(), "this CPU (or its kernel) offers no AMX-INT8");
+  TORCH_CHECK(isa != AMX_INT8 || has_amx_int8(), "this CPU (or its kernel) offers no AMX-INT8");
   TORCH_CHECK(vnni || best_isa() >= AVX2, "this CPU has no AVX2");
   TORCH_CHECK(fmt == Q4_1 || fmt == Q8_0, "qlinear16 reads q4_1 and q8_0 tiles");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
@@ -1387,8 +1400,8 @@ torch::Tensor qlinear16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
   float* yp = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, tiles / (4 * std::max(1, at::get_num_threads())));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    if (amx && fmt == Q4_1) kernel_qx16_amx<Q4_1>(xq, wp, bptr, yp, M, N, K, t0, t1);
-    else if (amx) kernel_qx16_amx<Q8_0>(xq, wp, bptr, yp, M, N, K, t0, t1);
+    if (amx && fmt == Q4_1) kernel_qx16_amx<Q4_1>(xq, wp, bptr, yp, M, N, K, t0, t1, amx_rows);
+    else if (amx) kernel_qx16_amx<Q8_0>(xq, wp, bptr, yp, M, N, K, t0, t1, amx_rows);
     else if (vnni && fmt == Q4_1) kernel_qx16<Q4_1>(xq, wp, bptr, yp, M, N, K, t0, t1);
     else if (vnni) kernel_qx16<Q8_0>(xq, wp, bptr, yp, M, N, K, t0, t1);
     else if (fmt == Q4_1) kernel_qx16_256<Q4_1>(xq, wp, bptr, yp, M, N, K, t0, t1);
@@ -1750,7 +1763,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, "bf16 x bf16 linear with float32 sums (AVX512-BF16, batch-invariant)");
   m.def("amx_int8", &amx_int8, "whether qlinear16's AMX-INT8 path runs here (CPU and kernel permission)");
   m.def("qlinear16", &qlinear16, "q4_1 / q8_0 16-column tiles x int8 activations (AMX-INT8, VNNI or AVX2; batch-invariant)",
-        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("fmt"), py::arg("N"), py::arg("isa") = -1);
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("fmt"), py::arg("N"), py::arg("isa") = -1,
+        py::arg("amx_rows") = 0);
   m.def("int8dot", &int8dot, "the ISA of the int8-activation kernels here: 3 VNNI, 1 AVX2, 0 none");
   m.def("rope_", &rope_, "RoPE in place (float32 / bfloat16)");
   m.def("rope_qk_", &rope_qk_, "RoPE in place on the q and k heads of fused qkv rows");

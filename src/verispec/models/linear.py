@@ -26,9 +26,10 @@ machine it runs on, and caches the choice):
               AVX2, the same bits on both);
               fewer bytes per weight, batch-invariant by construction;
 * `q8_0-i8:R`, `q4_1-i8:R`: the same kernel, its integer dots on AMX-INT8 tiles for calls
-              of R rows or more (bit-equal to the VNNI path, so the model does not change;
-              a tile instruction serves up to 16 rows, so on the Intel AMX host the
-              262144 x 640 Gemma-3 lm_head at 9 rows took 16 ms against VNNI's 20.6);
+              of R rows or more (whole 16-row chunks; a long call's partial last chunk by
+              VNNI), bit-equal to the VNNI path, so the model does not change (a tile
+              instruction serves up to 16 rows: on the Intel AMX host the 262144 x 640
+              Gemma-3 lm_head at 9 rows took 16 ms against VNNI's 20.6);
               R is measured per role by models/kernel_plan.py where AMX-INT8 runs.
 
 Results of the float kernels differ from F.linear only by float rounding (tests compare
@@ -118,7 +119,7 @@ class Linear(nn.Module):
         self.blocks: torch.Tensor | None = None  # uint8 rows for verispec's kernels
         self._fmt = -1
         self._isa = -1
-        self.amx_from = 0  # -i8 kernels: rows from which a call runs on AMX-INT8 tiles (0: never)
+        self.amx_from = 0  # -i8 kernels: calls of this many rows or more run on AMX-INT8 tiles (0: none)
         self._call = None  # verispec's kernels: the bound call (linear_forward)
         # verispec's kernels sum in float32: give that back as is, not rounded to the input's
         # dtype (the lm_head, whose logits are wanted in float32 anyway)
@@ -162,6 +163,14 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(0, dtype=dense.dtype), requires_grad=False)
         return True
 
+    def run_on_amx_from(self, rows: int) -> None:
+        """An -i8 layer's calls of `rows` rows or more on AMX-INT8 tiles (0: never): the same
+        bits either way, so only a benchmark comparing the two paths has reason to call this."""
+        if self._isa != 3:
+            raise ValueError(f"only int8-activation kernels have an AMX path, not {self.kernel}")
+        self.amx_from = rows
+        self._call = _kernel_call(self)
+
     def pack(self) -> bool:
         """oneDNN-pack the weight (the kernel PyTorch-only plans use)."""
         return self.use("onednn")
@@ -194,10 +203,11 @@ def _kernel_call(layer: Linear):
         fn = mod.bf16_linear if layer.kernel == "bf16dot" else mod.bf16amx_linear
         return lambda x: fn(x, blocks, bias, n, float_out)
     if layer._isa == 3:
-        fn, amx_from = mod.qlinear16, layer.amx_from or 1 << 62
+        fn, amx_from = mod.qlinear16, layer.amx_from
+        isa = 4 if amx_from else -1  # 4: calls of amx_from rows or more on AMX-INT8 tiles
 
         def int8(x):
-            y = fn(x if x.dtype == torch.float32 else x.float(), blocks, bias, fmt, n, 4 if x.shape[0] >= amx_from else -1)
+            y = fn(x if x.dtype == torch.float32 else x.float(), blocks, bias, fmt, n, isa, amx_from)
             return y if float_out or x.dtype == torch.float32 else y.to(x.dtype)
 
         return int8
