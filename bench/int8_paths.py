@@ -46,7 +46,7 @@ def main() -> None:
               f"({model.kernel_plan.describe()}): both columns time the VNNI path")
     tokens = [int(t) for t in args.tokens.split(",") if t]
     rows = [int(r) for r in args.rows.split(",") if r]
-    cases = [(f"1 row x {n} tokens", 1, n) for n in tokens] + [(f"{r} rows x 1 token", r, 1) for r in rows]
+    cases = [(f"1 row x {n} token{'s' if n > 1 else ''}", 1, n) for n in tokens] + [(f"{r} rows x 1 token", r, 1) for r in rows]
     cache = model.new_cache()
     seqs = [cache.allocate(64 + max(tokens) + 1) for _ in range(max(rows + [1]))]
     ids = torch.randint(0, model.args.vocab_size, (64 + max(tokens),))

@@ -87,12 +87,15 @@ class _Scripted(DraftProvider):
     it is asked for; its rounds cost `cost` single-token target steps."""
 
     def __init__(self, name: str, free: bool, drafts: dict[int, Draft], cost: float = 0.0,
-                 sampled_cost: float | None = None):
+                 sampled_cost: float | None = None, served: float | None = None):
         self.name, self.free, self.drafts, self.asked, self.cost = name, free, drafts, [], cost
-        self.sampled_cost = sampled_cost
+        self.sampled_cost, self.served = sampled_cost, served
 
     def draft_costs(self, target_costs):
         return self.cost, 0.0
+
+    def served_round_seconds(self, greedy):
+        return self.served
 
     def sampled_draft_costs(self, target_costs):
         return None if self.sampled_cost is None else (self.sampled_cost, 0.0)
@@ -192,6 +195,17 @@ def test_a_paid_source_is_asked_only_where_it_gains_more_than_its_round_costs():
     # the sampled row: its first round alone (no sampled estimate yet; the probe steps, the
     # 1st, 33rd and 65th calls, are the greedy row's)
     assert by_mode.stats()["asked"]["model"] == 40 + 1
+    # what served rounds cost, once the source has timed some, replaces its start-up figure:
+    # alone on its row G = 0.9 pays for 0.3 steps but not for rounds that took 1.2 (seconds,
+    # against base_seconds 1.0 here); after its first round no other is asked but the probes'
+    # (the 1st, 33rd, 65th calls... of 40: two)
+    dear = CompositeProvider([_Scripted("model", False, {2: model}, cost=0.3, served=1.2),
+                              _Scripted("lookup", True, {})])
+    dear.draft_costs(None)
+    row = dear.new_source(SourceContext([2], [], SamplingParams(), 64))
+    for _ in range(40):
+        dear.draft_batch([(row, 0, 4)])
+    assert dear.stats()["asked"]["model"] == 2
     # free-only composites are charged nothing; paid-only ones their sources' sum
     both_paid = CompositeProvider([_Scripted("a", False, {}, cost=0.5), _Scripted("b", False, {}, cost=0.25)])
     assert both_paid.draft_costs(None) == (0.75, 0.0)

@@ -592,3 +592,27 @@ def test_a_sampled_rows_drafts_do_not_depend_on_where_its_block_stops_or_its_bat
     second_batched = provider.draft_batch([(batched, 6, 3)])[0]
     assert second_alone.tokens == second_batched.tokens and len(second_alone.tokens) == 3
     assert torch.equal(second_alone.q, second_batched.q)
+
+
+def test_served_rounds_are_timed_apart_from_the_start_up_timing(qwen3):
+    """What a composite charges a served round (`served_round_seconds`): nothing until
+    SERVED_MIN served calls were timed (the start-up timing's own rounds do not count),
+    then a running mean for greedy calls, while calls with a sampled row stay untimed."""
+    from verispec.drafting.dspark import source as source_module
+    from verispec.engine.draft import SourceContext
+    from verispec.engine.sampling import SamplingParams
+    from verispec.engine.step_costs import StepCosts
+
+    _, drafter = qwen3
+    provider = source_module.DSparkProvider(drafter, confidence_threshold=0.0)
+    fixed, _ = provider.draft_costs(StepCosts({1: 0.01, 2: 0.011}))  # times 6 rounds of its own
+    assert fixed > 0 and provider.served_round_seconds(True) is None
+    row = provider.new_source(SourceContext(list(range(1, 13)), [], SamplingParams(), 64))
+    row.pending = [torch.randn(12, drafter.fc.in_features, generator=torch.Generator().manual_seed(3))]
+    for k in range(source_module.SERVED_MIN):
+        assert provider.served_round_seconds(True) is None, k
+        provider.draft_batch([(row, 5, 3)])
+        row.pending = [torch.zeros(1, drafter.fc.in_features)]
+    assert provider.served_round_seconds(True) > 0 and provider.served_round_seconds(False) is None
+    provider.draft_batch([(row, 5, 0)])  # a call that asks for nothing is no round
+    assert provider.served[True][1] == source_module.SERVED_MIN

@@ -33,7 +33,11 @@ best free candidate's. Each is weighed against what its step would cost: the tar
 forward over the step's B rows plus about one draft more than the candidate is expected
 to keep (the first rejected one), from the engine's measured step costs s, plus the paid
 round's own cost c (single-token target steps; a sampled row's round is timed apart, a draw
-and q per slot made it 5.2 ms against a greedy round's 4 on gemma3). The source is asked where
+and q per slot made it 5.2 ms against a greedy round's 4 on gemma3; once the source has timed
+a few served rounds, `DraftProvider.served_round_seconds`, their running mean: served rounds
+bring the context rows of every step since the row's last round and share calls, and on
+gemma3 at 4 streams they took 5-11 ms against the 3.3 the start-up timing charged, stage 18
+of docs/dspark-campaign.md). The source is asked where
 
     (B + G) / (s(B + m_G) + c)  >  (B + O) / s(B + m_O),   m = min(draft length, gain + 1)
 
@@ -223,11 +227,15 @@ class CompositeProvider(DraftProvider):
         recent ones is expected to emit more per second, its round included, than one
         verifying what is already offered (`offered`: expected gain, length). The step's
         other rows count in both: the round delays their tokens too."""
-        expected = self.gains[i].get(source.context.params.is_greedy)
+        greedy = source.context.params.is_greedy
+        expected = self.gains[i].get(greedy)
         if expected is None:
             return True
-        fixed, per_token = (self.costs if source.context.params.is_greedy else self.sampled_costs)[i]
+        fixed, per_token = (self.costs if greedy else self.sampled_costs)[i]
         s = self.step_costs
+        served = self.providers[i].served_round_seconds(greedy)
+        if served is not None:  # what its rounds have cost lately, in single-token steps
+            fixed, per_token = served / s.base_seconds, 0.0
         base = s(batch)  # the step's forward without drafts; this row's share of what drafts add:
 
         def step(drafts: float, paid: float = 0.0) -> float:

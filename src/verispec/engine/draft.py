@@ -134,6 +134,13 @@ class DraftProvider:
         composite, which weighs each row's round, asks."""
         return None
 
+    def served_round_seconds(self, greedy: bool) -> float | None:
+        """What this provider's rounds (one `draft_batch` call) have cost lately on served
+        traffic, greedy calls and calls with a sampled row apart: a running mean in
+        seconds where the provider times them, else None (its `draft_costs` stand). Only a
+        composite, which weighs each row's round, asks."""
+        return None
+
     def kv_bytes(self, capacity: int) -> int:
         """Bytes one request's source reserves for a target row of `capacity` tokens
         (counted against the engine's KV budget)."""
