@@ -684,6 +684,28 @@ constexpr int Q8X16_BYTES = 544;
 
 inline uint32_t tile_mask16(int64_t n, int64_t N) { return n + 16 <= N ? 0xFFFFu : (1u << (N - n)) - 1u; }
 
+// One row's block: its exact integer dot into the float accumulators (d_c * dx, one fma;
+// q4_1's m term into its own), and a tile's rows out as (acc + m acc) + bias. The VNNI and
+// the AMX-INT8 paths both go through these, which is what makes their bits equal.
+template <int FMT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+inline void qx16_accumulate(__m512i dot, __m512 dv, __m512 mv, float scale, float qsum, __m512& acc, __m512& macc) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, _mm512_set1_ps(scale)), acc);
+  if constexpr (FMT == Q4_1) macc = _mm512_fmadd_ps(mv, _mm512_set1_ps(qsum), macc);
+}
+
+template <int FMT, int MT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+inline void qx16_store(const __m512* acc, const __m512* macc, const float* bias, float* y, int64_t N, int64_t m0,
+                       int64_t n) {
+  const __mmask16 mask = (__mmask16)tile_mask16(n, N);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+  for (int t = 0; t < MT; t++) {
+    const __m512 v = FMT == Q4_1 ? _mm512_add_ps(acc[t], macc[t]) : acc[t];
+    _mm512_mask_storeu_ps(y + (m0 + t) * N + n, mask, _mm512_add_ps(v, bv));
+  }
+}
+
 // MT rows share each block's weight registers; per row the eight vpdpbusd run as one
 // chain, and the rows' chains overlap out of order (measured here: ~80% of the core's
 // vpdpbusd throughput from 8 rows; interleaving the rows by hand was slower, the row
@@ -723,17 +745,10 @@ inline void qx16_tile(const QuantizedRows& xq, const uint8_t* tile, const float*
 #pragma GCC unroll 8
       for (int g = 0; g < 8; g++)  // x's four bytes broadcast by the instruction itself (GCC does not fold it)
         __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(dot) : "v"(w[g]), "m"(*(const int32_t*)(xr + 4 * g)));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, _mm512_set1_ps(xq.scale[r * nb + blk])),
-                               acc[t]);
-      if constexpr (FMT == Q4_1) macc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xq.qsum[r * nb + blk]), macc[t]);
+      qx16_accumulate<FMT>(dot, dv, mv, xq.scale[r * nb + blk], xq.qsum[r * nb + blk], acc[t], macc[t]);
     }
   }
-  const __mmask16 mask = (__mmask16)tile_mask16(n, N);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
-  for (int t = 0; t < MT; t++) {
-    const __m512 v = FMT == Q4_1 ? _mm512_add_ps(acc[t], macc[t]) : acc[t];
-    _mm512_mask_storeu_ps(y + (m0 + t) * N + n, mask, _mm512_add_ps(v, bv));
-  }
+  qx16_store<FMT, MT>(acc, macc, bias, y, N, m0, n);
 }
 
 // rows [m0, m1) of one 16-column tile
@@ -879,17 +894,10 @@ inline void qx16_tile_amx(const QuantizedRows& xq, const uint8_t* tile, const fl
       const int64_t r = m0 + t;
       __m512i dot = _mm512_load_si512((const void*)(db + t * 16));
       if constexpr (FMT == Q8_0) dot = _mm512_add_epi32(dot, _mm512_set1_epi32(-128 * xq.isum[r * nb + blk]));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, _mm512_set1_ps(xq.scale[r * nb + blk])),
-                               acc[t]);
-      if constexpr (FMT == Q4_1) macc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xq.qsum[r * nb + blk]), macc[t]);
+      qx16_accumulate<FMT>(dot, dv, mv, xq.scale[r * nb + blk], xq.qsum[r * nb + blk], acc[t], macc[t]);
     }
   }
-  const __mmask16 mask = (__mmask16)tile_mask16(n, N);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
-  for (int t = 0; t < MT; t++) {
-    const __m512 v = FMT == Q4_1 ? _mm512_add_ps(acc[t], macc[t]) : acc[t];
-    _mm512_mask_storeu_ps(y + (m0 + t) * N + n, mask, _mm512_add_ps(v, bv));
-  }
+  qx16_store<FMT, MT>(acc, macc, bias, y, N, m0, n);
 }
 
 // tiles 0-1: C (rows x 16 int32), 2-3: x (rows x 32 bytes), 4-5: weights (8 rows x 64 bytes)
