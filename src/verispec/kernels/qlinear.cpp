@@ -417,19 +417,23 @@ constexpr int AMX_PREFETCH = 2;  // K blocks ahead of the tiles being read
 
 int amx_state = -1;  // -1 unknown, 0 no, 1 ready
 
-// AMX-TILE and AMX-BF16 in CPUID (leaf 7, EDX bits 24 and 22), AVX512-BF16 for the
-// epilogue, and the kernel's permission to use the tile state (Linux asks each process
-// to request it: arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA)
-bool has_amx_bf16() {
-  if (amx_state >= 0) return amx_state == 1;
-  amx_state = 0;
+// AMX-TILE and one AMX compute feature (CPUID leaf 7, EDX bit 24 and `bit`), and the
+// kernel's permission to use the tile state (Linux asks each process to request it:
+// arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA)
+bool amx_tiles_ready(int bit) {
   unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!has_avx512bf16() || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  if (!((d >> 24) & 1) || !((d >> 22) & 1)) return false;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!((d >> 24) & 1) || !((d >> bit) & 1)) return false;
 #ifdef SYS_arch_prctl
-  if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return false;
-  amx_state = 1;
+  return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+#else
+  return false;
 #endif
+}
+
+// AMX-BF16 (bit 22) and AVX512-BF16 for the epilogue
+bool has_amx_bf16() {
+  if (amx_state < 0) amx_state = has_avx512bf16() && amx_tiles_ready(22);
   return amx_state == 1;
 }
 
@@ -806,26 +810,17 @@ void kernel_qx16(const QuantizedRows& xq, const uint8_t* w16, const float* bias,
 int amx_int8_state = -1;  // -1 unknown, 0 no, 1 ready
 constexpr int AMX_INT8_PREFETCH = 6;  // blocks ahead of the tile loads
 
-// AMX-TILE and AMX-INT8 in CPUID (leaf 7, EDX bits 24 and 25), AVX-512 VNNI for the
-// epilogue's ISA, and the process's permission for the tile state
+// AMX-INT8 (CPUID leaf 7, EDX bit 25) and AVX-512 VNNI for the epilogue's ISA
 bool has_amx_int8() {
   if (amx_int8_state >= 0) return amx_int8_state == 1;
-  amx_int8_state = 0;
   __builtin_cpu_init();
-  if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
-      !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("f16c"))
-    return false;
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;
-#ifdef SYS_arch_prctl
-  if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) != 0) return false;
-  amx_int8_state = 1;
-#endif
+  amx_int8_state = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+                   __builtin_cpu_supports("f16c") && amx_tiles_ready(25);
   return amx_int8_state == 1;
 }
 
-// one block's int32 dots of 16 padded rows x 16 columns into out (tiles: C in tc, x in ta,
+// one block's int32 dots of the configured rows x 16 columns into out (tiles: C in tc, x in ta,
 // weights in tb; two sets alternate so one block's tile work overlaps the last's epilogue;
 // a macro: the tile intrinsics take their register numbers as literals)
 #define AMX_BLOCK_DOTS(tc, ta, tb, x, K, b, out) \
