@@ -26,7 +26,7 @@ its short draft instead of the lookup's long sure one on looping text cost every
 
 Free sources (a lookup: `DraftProvider.free`) propose first. A paid source (a model
 drafter, whose round costs a backbone pass) is then asked only for the rows where it is
-expected to pay. G: its candidates' recent expected gain (`LazyGain`, a running mean of
+expected to pay. G: its candidates' recent expected gain (`RunningMean`, a running mean of
 the sums of their survival products, greedy and sampled rows apart, on the engine's
 confidences, which the engine recalibrates online against what verification kept). O: the
 best free candidate's. Each is weighed against what its step would cost: the target
@@ -68,29 +68,12 @@ sources for exactly which rows pay for the model's round, with and without step 
 from __future__ import annotations
 
 from verispec.engine.acceptance import survival
-from verispec.engine.draft import Draft, DraftProvider, DraftSource, SourceContext
+from verispec.engine.draft import Draft, DraftProvider, DraftSource, RunningMean, SourceContext
 from verispec.engine.step_costs import StepCosts
 
 EXPLORE_EVERY = 8  # every 8th round of a row verifies its least-chosen source's candidate
 PROBE_EVERY = 32  # every 32nd step one row asks every paid source, whatever it is expected to gain
 GAIN_MEMORY = 32  # drafts a paid source's running mean gain mostly rests on
-
-
-class LazyGain:
-    """The running mean expected gain of one source's offered drafts, for greedy and sampled
-    rows apart (their acceptance differs); None until it has offered one."""
-
-    def __init__(self):
-        self.mean: dict[bool, float] = {}
-        self.count: dict[bool, int] = {}
-
-    def get(self, greedy: bool) -> float | None:
-        return self.mean.get(greedy)
-
-    def add(self, greedy: bool, gain: float) -> None:
-        n = self.count[greedy] = self.count.get(greedy, 0) + 1
-        mean = self.mean.get(greedy, gain)
-        self.mean[greedy] = mean + (gain - mean) / min(n, GAIN_MEMORY)
 
 
 class CompositeSource(DraftSource):
@@ -131,7 +114,7 @@ class CompositeProvider(DraftProvider):
         self.label = label or " + ".join(p.describe() for p in providers)
         self.conditionals = None  # the engine binds its confidence estimate (Drafting.conditionals)
         self.chosen = [0] * len(providers)  # rounds each source's candidate was verified, all rows
-        self.gains = [LazyGain() for _ in providers]
+        self.gains = [RunningMean(GAIN_MEMORY) for _ in providers]
         self.asked = [0] * len(providers)  # rows each source was asked to draft for
         self.costs = [(0.0, 0.0)] * len(providers)  # each source's (per round, per token), once measured
         self.sampled_costs = list(self.costs)  # the same for sampled rows (a draw and q per slot)

@@ -94,6 +94,25 @@ class SourceContext:
     kv: object | None = None  # models.kv_cache.SequenceKV
 
 
+class RunningMean:
+    """A running mean kept for greedy and sampled rows apart, resting mostly on the last
+    `memory` values: what a composite expects a paid source to gain, what a provider's
+    served rounds cost. None until `at_least` values were added."""
+
+    def __init__(self, memory: int):
+        self.memory = memory
+        self.mean: dict[bool, float] = {}
+        self.count: dict[bool, int] = {}
+
+    def get(self, greedy: bool, at_least: int = 1) -> float | None:
+        return self.mean.get(greedy) if self.count.get(greedy, 0) >= at_least else None
+
+    def add(self, greedy: bool, value: float) -> None:
+        n = self.count[greedy] = self.count.get(greedy, 0) + 1
+        mean = self.mean.get(greedy, value)
+        self.mean[greedy] = mean + (value - mean) / min(n, self.memory)
+
+
 class DraftSource:
     def prefill(self, tokens: list[int], hidden: Hidden | None) -> None:
         pass

@@ -31,7 +31,7 @@ import torch
 from verispec.engine.sampling import (greedy_tokens, inverse_cdf_draw, make_generator, process_logits,
                                       sampling_probs)
 from verispec.drafting.dspark.model import DSparkDrafter, calibrated_confidences, first_below, slot_thresholds
-from verispec.engine.draft import Draft, DraftProvider, DraftSource, SourceContext
+from verispec.engine.draft import Draft, DraftProvider, DraftSource, RunningMean, SourceContext
 
 
 SERVED_MEMORY = 32  # calls a served round's running mean cost mostly rests on
@@ -82,7 +82,7 @@ class DSparkProvider(DraftProvider):
         self.threshold = config.confidence_threshold if confidence_threshold is None else confidence_threshold
         self.temperatures = config.confidence_temperature  # STS; None: raw sigmoids
         self.trace: list | None = None
-        self.served = {True: [0.0, 0], False: [0.0, 0]}  # greedy call? -> [running mean seconds, calls]
+        self.served = RunningMean(SERVED_MEMORY)  # seconds of served rounds, greedy calls and the rest apart
         vocab = drafter.draft_vocab_ids
         self._to_draft = None
         if vocab is not None:  # target id -> draft-head row, for processors over the full vocabulary
@@ -123,19 +123,16 @@ class DSparkProvider(DraftProvider):
         context row since their last round, and several rows share a call. On gemma3-270m at
         4 streams rounds took 5-11 ms against the 3.3 charged, and the composite asked the
         drafter where it did not pay (campaign stage 18)."""
-        mean, calls = self.served[greedy]
-        return mean if calls >= SERVED_MIN else None
+        return self.served.get(greedy, SERVED_MIN)
 
     def _round_seconds(self, params) -> float:
         """The best of 5 timed rounds of one row with these sampling settings, each drafting
         a whole block (no confidence cut: a round's price when it proposes)."""
         threshold, self.threshold = self.threshold, 0.0
-        served = {k: list(v) for k, v in self.served.items()}
         try:
             return self._time_rounds(params)
         finally:
             self.threshold = threshold
-            self.served = served  # the start-up timings are not served rounds
 
     def _time_rounds(self, params) -> float:
         from verispec.engine.draft import SourceContext as Ctx
@@ -143,12 +140,12 @@ class DSparkProvider(DraftProvider):
         H = self.drafter.config.args.hidden_size
         source = self.new_source(Ctx([0] * 64, [0], params, 64))
         source.pending = [torch.zeros(64, H * len(self.taps), dtype=self.drafter.dtype, device=self.drafter.device)]
-        self.draft_batch([(source, 1, self.block_size)])
+        self._draft_batch([(source, 1, self.block_size)])  # the start-up rounds, not served ones: untimed
         best = float("inf")
         for _ in range(5):
             source.pending = [torch.zeros(2, H * len(self.taps), dtype=self.drafter.dtype, device=self.drafter.device)]
             t = time.perf_counter()
-            self.draft_batch([(source, 1, self.block_size)])
+            self._draft_batch([(source, 1, self.block_size)])
             best = min(best, time.perf_counter() - t)
         source.close()
         return best
@@ -157,9 +154,8 @@ class DSparkProvider(DraftProvider):
         start = time.perf_counter()
         drafts = self._draft_batch(requests)
         if any(n > 0 for _, _, n in requests):
-            entry = self.served[all(s.context.params.is_greedy for s, _, n in requests if n > 0)]
-            entry[1] += 1
-            entry[0] += (time.perf_counter() - start - entry[0]) / min(entry[1], SERVED_MEMORY)
+            greedy = all(s.context.params.is_greedy for s, _, n in requests if n > 0)
+            self.served.add(greedy, time.perf_counter() - start)
         return drafts
 
     @torch.inference_mode()
