@@ -92,13 +92,19 @@ class Scheduler:
         decode = [r for r in self.running if r.state is RowState.DECODE]
         budget = self.prefill_chunk if decode else self.idle_prefill_chunk
         prefill = []
+        prefilling = None  # prompts whose KV a running row is prefilling now, built once a step
         for row in self.running:
             if budget <= 0:
                 break
             if row.state is RowState.PREFILL:
                 if not row.looked_up and self.on_first_chunk is not None:
-                    if self._same_prompt_prefilling(row):
-                        continue  # its twin's prompt KV will be in the prefix cache: wait for it
+                    if row.reads_prefix_cache:
+                        if prefilling is None:
+                            prefilling = self._prompts_prefilling()
+                        key = tuple(row.request.prompt_ids)
+                        if key in prefilling:
+                            continue  # its twin's prompt KV will be in the prefix cache: wait for it
+                        prefilling.add(key)
                     row.looked_up = True
                     self.on_first_chunk(row)
                 n = min(row.remaining_prompt, budget)
@@ -106,14 +112,12 @@ class Scheduler:
                 budget -= n
         return StepPlan(decode, prefill, admitted)
 
-    def _same_prompt_prefilling(self, row: Row) -> bool:
-        """Another running row with this prompt is still prefilling it (the choices of an
-        `n > 1` request, or users sending the same prompt at once)."""
-        if not row.reads_prefix_cache:
-            return False
-        prompt = row.request.prompt_ids
-        return any(other is not row and other.state is RowState.PREFILL and other.looked_up
-                   and other.reads_prefix_cache and other.request.prompt_ids == prompt for other in self.running)
+    def _prompts_prefilling(self) -> set[tuple[int, ...]]:
+        """The prompts running rows are prefilling after their lookup: a row with one of them
+        waits (the choices of an `n > 1` request, or users sending the same prompt at once).
+        A set, so that a step with R such rows costs O(R), not O(R^2) prompt comparisons."""
+        return {tuple(other.request.prompt_ids) for other in self.running
+                if other.state is RowState.PREFILL and other.looked_up and other.reads_prefix_cache}
 
     def waits_on(self, row: Row) -> bool:
         """Rows are waiting to reuse this row's prompt KV."""
