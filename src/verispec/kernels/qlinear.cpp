@@ -380,6 +380,13 @@ bool has_avx512bf16() {
          __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
+// AVX-512 VNNI with what the int8 kernels' epilogue needs (the VNNI path, and AMX-INT8's)
+bool has_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
+}
+
 
 // ---------------------------------------------------------------------------- AMX-BF16
 //
@@ -813,10 +820,7 @@ constexpr int AMX_INT8_PREFETCH = 6;  // blocks ahead of the tile loads
 // AMX-INT8 (CPUID leaf 7, EDX bit 25) and AVX-512 VNNI for the epilogue's ISA
 bool has_amx_int8() {
   if (amx_int8_state >= 0) return amx_int8_state == 1;
-  __builtin_cpu_init();
-  amx_int8_state = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-                   __builtin_cpu_supports("f16c") && amx_tiles_ready(25);
+  amx_int8_state = has_vnni() && amx_tiles_ready(25);
   return amx_int8_state == 1;
 }
 
@@ -1233,12 +1237,6 @@ void kernel_scalar(const float* x, const uint8_t* w, const float* bias, float* y
 }
 
 enum Isa { SCALAR = 0, AVX2 = 1, AVX512 = 2, VNNI = 3, AMX_INT8 = 4 };
-
-bool has_vnni() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
-}
 
 int best_isa() {
   __builtin_cpu_init();
