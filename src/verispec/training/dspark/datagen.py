@@ -296,7 +296,8 @@ def run_datagen(args) -> int:
     pending = iter(todo)
     in_flight = 0
     tokens = written = answers_left_out = 0
-    start = time.perf_counter()
+    generated = [0]  # tokens the engine has emitted so far, finished rows or not (the bar's rate)
+    start = last_shown = time.perf_counter()
     deadline = start + args.max_minutes * 60 if args.max_minutes else None
     stopped_early = False
     with out.open("a", encoding="utf-8") as f, tqdm(total=len(todo), unit="answer", desc="datagen",
@@ -319,11 +320,16 @@ def run_datagen(args) -> int:
                     record["messages"] = messages
                 params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                         seed=int(key, 16) % (2**31))
-                engine.submit(GenerationRequest(prompt_ids, args.max_tokens, params), _collect(record, finished))
+                engine.submit(GenerationRequest(prompt_ids, args.max_tokens, params),
+                              _collect(record, finished, generated))
                 in_flight += 1
             if in_flight == 0:
                 break
             engine.step()
+            now = time.perf_counter()
+            if now - last_shown >= 2.0:  # answers finish in waves minutes apart: show the token rate meanwhile
+                bar.set_postfix(tok_s=f"{generated[0] / (now - start):.0f}")
+                last_shown = now
             for record, completion in finished:
                 in_flight -= 1
                 bar.update(1)
@@ -345,7 +351,6 @@ def run_datagen(args) -> int:
                 f.flush()
                 written += 1
                 tokens += len(ids)
-                bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
             finished.clear()
     print(f"datagen: wrote {written} records, {tokens} answer tokens in {time.perf_counter() - start:.0f} s -> {out}",
           file=sys.stderr)
@@ -363,8 +368,9 @@ def record_texts(record: dict) -> list[str]:
     return [m["content"] for m in record["messages"]] if record.get("messages") else [record.get("prompt") or ""]
 
 
-def _collect(record: dict, finished: list):
-    """A sink assembling one request's answer; appends (record, Completion) when done."""
+def _collect(record: dict, finished: list, generated: list[int] | None = None):
+    """A sink assembling one request's answer; appends (record, Completion) when done and
+    adds each token it receives to `generated[0]`."""
     from verispec.engine.request import Completion
 
     parts, tokens = [], []
@@ -372,6 +378,8 @@ def _collect(record: dict, finished: list):
     def sink(out) -> None:
         parts.append(out.text)
         tokens.extend(t.token for t in out.tokens)
+        if generated is not None:
+            generated[0] += len(out.tokens)
         if out.finished:
             if out.error:
                 finished.append((record, None))
