@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import platform
 
 import pytest
 import torch
@@ -61,6 +62,29 @@ def test_legacy_rope_spelling_equals_transformers_5_spelling():
 
 def test_dtype_names():
     assert resolve_dtype("float32") is torch.float32
-    assert resolve_dtype("auto") in (torch.float32, torch.bfloat16)
+    assert resolve_dtype("bfloat16") is torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("float8")
+
+
+def _cpuinfo_flags() -> set[str] | None:
+    try:
+        text = open("/proc/cpuinfo", encoding="utf-8").read()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return None
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 CPU flags are the oracle")
+def test_auto_dtype_is_bf16_only_on_native_bf16_cpus():
+    """The oracle is the kernel's own CPU flags: 'auto' picks bfloat16 exactly where the CPU
+    does bf16 arithmetic (avx512_bf16 or AMX). oneDNN reports bf16 support on every AVX512
+    CPU and emulates it there (3x slower than float32 on a Xeon without AVX512-BF16)."""
+    flags = _cpuinfo_flags()
+    if flags is None:
+        pytest.skip("no /proc/cpuinfo flags line")
+    native = bool({"avx512_bf16", "amx_bf16"} & flags)
+    assert resolve_dtype("auto") is (torch.bfloat16 if native else torch.float32)
