@@ -185,6 +185,53 @@ def test_every_kernel_is_batch_invariant_bit_for_bit(mod, n, k):
         assert torch.equal(call(mixed, w)[5:15], alone[10:20]), f"{name}: unrelated rows changed a row"
 
 
+def test_every_kernel_gives_the_same_bits_on_one_thread_and_on_several(mod):
+    """The kernels split a call's output columns (and attention's heads) over torch's
+    threads; a split must not change a bit, or a served model would depend on its thread
+    count. Oracle: the same call on one thread. A wide N so every thread gets columns."""
+    w = _weights(1040, 96)
+    x = _rows(9, 96)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = {name: call(x.to(dtype), w) for name, (dtype, call) in _kernel_calls(mod).items()}
+        q, k, v = torch.randn(9, 8, 64), torch.randn(2, 40, 64), torch.randn(2, 40, 64)
+        att_one = mod.attention(q, k, v, None, 0.125)
+        torch.set_num_threads(4)
+        for name, (dtype, call) in _kernel_calls(mod).items():
+            assert torch.equal(call(x.to(dtype), w), one[name]), f"{name}: the thread count changed the bits"
+        assert torch.equal(mod.attention(q, k, v, None, 0.125), att_one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_kernels_use_torchs_threads_where_openmp_builds():
+    """A serial build went unnoticed for 20 stages (at::parallel_for is inline and runs on one
+    thread unless the extension is compiled with OpenMP). Oracle: the compiler itself, asked
+    to build an OpenMP program; where it can, the loaded kernels must be the threaded build,
+    sharing torch's one OpenMP runtime."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no C++ compiler to ask")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "omp.cpp"
+        src.write_text("#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n")
+        built = subprocess.run([cxx, "-fopenmp", str(src), "-o", str(Path(tmp) / "omp")], capture_output=True)
+    if built.returncode != 0:
+        pytest.skip("this compiler cannot build OpenMP: the kernels run on one thread here")
+    assert kernels.threaded(), "the compiler builds OpenMP but the kernels were built without it"
+    # (other wheels bundle their own, renamed, libgomp: sentencepiece does; libgomp.so.1 is the
+    # soname both torch and the kernels link)
+    runtimes = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                if line.endswith("/libgomp.so.1")}
+    assert len(runtimes) <= 1, f"the kernels and torch load two OpenMP runtimes: {runtimes}"
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 def test_attention_is_softmax_attention_and_batch_invariant(mod, head_dim):
     g = torch.Generator().manual_seed(head_dim)

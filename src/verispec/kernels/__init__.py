@@ -24,8 +24,17 @@ ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 BLOCK = 32
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
 _SOURCE = Path(__file__).with_name("qlinear.cpp")
+# -fopenmp: the kernels split their columns with at::parallel_for, which is inline in
+# ATen's headers and runs serially unless the extension itself is compiled with OpenMP
+# (it was, until stage 21 of docs/dspark-campaign.md: every kernel ran on one thread, and
+# gemma3's decode step took 42.7 ms on 2 cores instead of 20.4). -lgomp resolves, at run
+# time, to the libgomp.so.1 torch has already loaded (one OpenMP runtime, one thread pool:
+# torch.set_num_threads governs both). A compiler without OpenMP gets the serial build.
+_BASE_CFLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
+BUILDS = {"openmp": (_BASE_CFLAGS + ("-fopenmp",), ("-lgomp",)), "serial": (_BASE_CFLAGS, ())}
 _lock = threading.Lock()
 _module = None
+_build: str | None = None  # which of BUILDS is loaded
 _error: str | None = None
 
 
@@ -33,18 +42,31 @@ class KernelUnavailable(RuntimeError):
     """The extension could not be built or loaded on this machine."""
 
 
-def _build_dir() -> Path:
+def build_id(build: str | None = None) -> str:
+    """The source and the flags it is built with (the loaded build's, else the preferred
+    one's): what a cached build, and a kernel plan measured on it
+    (models/kernel_plan.py), are valid for."""
+    cflags, ldflags = BUILDS[build or _build or "openmp"]
+    return hashlib.sha256(_SOURCE.read_bytes() + " ".join(cflags + ldflags).encode()).hexdigest()[:12]
+
+
+def _build_dir(build: str | None = None) -> Path:
     import torch
 
     from verispec.models.registry import cache_dir
 
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
-    return cache_dir() / "kernels" / f"torch{torch.__version__.replace('+', '_')}-{digest}"
+    return cache_dir() / "kernels" / f"torch{torch.__version__.replace('+', '_')}-{build_id(build)}"
+
+
+def threaded() -> bool:
+    """Whether the loaded kernels split their work over torch's threads."""
+    load()
+    return _build == "openmp"
 
 
 def load(verbose: bool = False):
     """The compiled extension (built on first use); KernelUnavailable if it cannot be."""
-    global _module, _error
+    global _module, _build, _error
     if _module is not None:
         return _module
     if _error is not None:
@@ -55,16 +77,25 @@ def load(verbose: bool = False):
         if os.environ.get("VERISPEC_NO_KERNELS") == "1":
             _error = "verispec's kernels are off (VERISPEC_NO_KERNELS=1)"
             raise KernelUnavailable(_error)
-        try:
-            from torch.utils.cpp_extension import load as build
+        failures = []
+        for build, (cflags, ldflags) in BUILDS.items():
+            try:
+                from torch.utils.cpp_extension import load as compile_and_load
 
-            folder = _build_dir()
-            folder.mkdir(parents=True, exist_ok=True)
-            _module = build(name="verispec_qlinear", sources=[str(_SOURCE)], build_directory=str(folder),
-                            extra_cflags=["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"], verbose=verbose)
-        except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: say which
-            _error = f"verispec's CPU kernels could not be built ({type(e).__name__}: {str(e).strip()[:300]})"
-            raise KernelUnavailable(_error) from None
+                folder = _build_dir(build)
+                folder.mkdir(parents=True, exist_ok=True)
+                _module = compile_and_load(name=f"verispec_qlinear_{build}", sources=[str(_SOURCE)],
+                                           build_directory=str(folder), extra_cflags=list(cflags),
+                                           extra_ldflags=list(ldflags), verbose=verbose)
+                _build = build
+                break
+            except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: say which
+                failures.append(f"{build}: {type(e).__name__}: {str(e).strip()[:300]}")
+        if _module is None:
+            _error = f"verispec's CPU kernels could not be built ({'; '.join(failures)})"
+            raise KernelUnavailable(_error)
+        if failures:
+            print(f"verispec: the kernels run on one thread (the OpenMP build failed: {failures[0]})", file=sys.stderr)
     return _module
 
 
@@ -87,7 +118,7 @@ def main() -> int:
     except KernelUnavailable as e:
         print(f"kernels: {e}; verispec runs with PyTorch's kernels only", file=sys.stderr)
         return 1
-    print(f"kernels: ok ({isa()}, in {_build_dir()})")
+    print(f"kernels: ok ({isa()}, {'threaded' if threaded() else 'one thread'}, in {_build_dir()})")
     return 0
 
 

@@ -126,8 +126,7 @@ def cpu_flags() -> list[str]:
 def plan_key(model, dtype: torch.dtype, quant: str, mode: str) -> dict:
     from verispec import kernels
 
-    source = Path(kernels.__file__).with_name("qlinear.cpp")
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12] if source.is_file() else ""
+    digest = kernels.build_id()
     shapes = {role: [list(shape) for shape in sorted(set(found))] for role, found in _role_shapes(model).items()}
     return {"version": PLAN_VERSION, "cpu": cpu_name(), "flags": cpu_flags(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "dtype": str(dtype).removeprefix("torch."), "quant": quant,
