@@ -29,7 +29,8 @@ _SOURCE = Path(__file__).with_name("qlinear.cpp")
 # (it was, until stage 21 of docs/dspark-campaign.md: every kernel ran on one thread, and
 # gemma3's decode step took 42.7 ms on 2 cores instead of 20.4). -lgomp resolves, at run
 # time, to the libgomp.so.1 torch has already loaded (one OpenMP runtime, one thread pool:
-# torch.set_num_threads governs both). A compiler without OpenMP gets the serial build.
+# torch.set_num_threads governs both). A compiler without OpenMP gets the serial build;
+# VERISPEC_SERIAL_KERNELS=1 asks for it (to measure what the threads buy).
 _BASE_CFLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
 BUILDS = {"openmp": (_BASE_CFLAGS + ("-fopenmp",), ("-lgomp",)), "serial": (_BASE_CFLAGS, ())}
 _lock = threading.Lock()
@@ -78,7 +79,9 @@ def load(verbose: bool = False):
             _error = "verispec's kernels are off (VERISPEC_NO_KERNELS=1)"
             raise KernelUnavailable(_error)
         failures = []
-        for build, (cflags, ldflags) in BUILDS.items():
+        builds = ["serial"] if os.environ.get("VERISPEC_SERIAL_KERNELS") == "1" else list(BUILDS)
+        for build in builds:
+            cflags, ldflags = BUILDS[build]
             try:
                 from torch.utils.cpp_extension import load as compile_and_load
 
