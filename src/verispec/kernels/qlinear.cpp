@@ -120,28 +120,51 @@ inline void load_block_512(const uint8_t* w, int64_t b, __m512& lo, __m512& hi) 
   }
 }
 
+// MT rows of one output column: each block is dequantized once into registers and used by
+// all MT rows; every row's own sum runs over the blocks in order whatever MT is, so the
+// tiling changes no bit (and the AVX2 / scalar paths, which tile by ROW_TILE, agree).
+template <int FMT, int MT>
+__attribute__((target("avx512f,avx512bw,fma,f16c")))
+inline void column_rows_512(const float* x, const uint8_t* wn, float b, float* y, int64_t N, int64_t K, int64_t m0,
+                            int64_t n) {
+  const int64_t nb = K / BLOCK;
+  __m512 acc[MT];
+#pragma GCC unroll 9
+  for (int t = 0; t < MT; t++) acc[t] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < nb; blk++) {
+    __m512 lo, hi;
+    load_block_512<FMT>(wn, blk, lo, hi);
+#pragma GCC unroll 9
+    for (int t = 0; t < MT; t++) {
+      const float* xr = x + (m0 + t) * K + blk * BLOCK;
+      acc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[t]);
+      acc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc[t]);
+    }
+  }
+#pragma GCC unroll 9
+  for (int t = 0; t < MT; t++) y[(m0 + t) * N + n] = hsum512(acc[t]) + b;
+}
+
 template <int FMT>
 __attribute__((target("avx512f,avx512bw,fma,f16c")))
 void kernel_512(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
                 int64_t K, int64_t row_bytes, int64_t n0, int64_t n1) {
-  const int64_t nb = K / BLOCK;
   for (int64_t n = n0; n < n1; n++) {
     const uint8_t* wn = w + n * row_bytes;
     const float b = bias ? bias[n] : 0.0f;
-    for (int64_t m0 = 0; m0 < M; m0 += ROW_TILE) {
-      const int mt = (int)std::min<int64_t>(ROW_TILE, M - m0);
-      __m512 acc[ROW_TILE];
-      for (int t = 0; t < ROW_TILE; t++) acc[t] = _mm512_setzero_ps();
-      for (int64_t blk = 0; blk < nb; blk++) {
-        __m512 lo, hi;
-        load_block_512<FMT>(wn, blk, lo, hi);
-        for (int t = 0; t < mt; t++) {
-          const float* xr = x + (m0 + t) * K + blk * BLOCK;
-          acc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), acc[t]);
-          acc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), acc[t]);
-        }
-      }
-      for (int t = 0; t < mt; t++) y[(m0 + t) * N + n] = hsum512(acc[t]) + b;
+    // up to nine rows (a verify block of 8 drafts + 1) in one pass over the column's blocks
+    int64_t m0 = 0;
+    for (; M - m0 >= 9; m0 += 9) column_rows_512<FMT, 9>(x, wn, b, y, N, K, m0, n);
+    switch (M - m0) {
+      case 8: column_rows_512<FMT, 8>(x, wn, b, y, N, K, m0, n); break;
+      case 7: column_rows_512<FMT, 7>(x, wn, b, y, N, K, m0, n); break;
+      case 6: column_rows_512<FMT, 6>(x, wn, b, y, N, K, m0, n); break;
+      case 5: column_rows_512<FMT, 5>(x, wn, b, y, N, K, m0, n); break;
+      case 4: column_rows_512<FMT, 4>(x, wn, b, y, N, K, m0, n); break;
+      case 3: column_rows_512<FMT, 3>(x, wn, b, y, N, K, m0, n); break;
+      case 2: column_rows_512<FMT, 2>(x, wn, b, y, N, K, m0, n); break;
+      case 1: column_rows_512<FMT, 1>(x, wn, b, y, N, K, m0, n); break;
+      default: break;
     }
   }
 }
