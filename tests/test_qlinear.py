@@ -232,6 +232,45 @@ def test_kernels_use_torchs_threads_where_openmp_builds():
     assert len(runtimes) <= 1, f"the kernels and torch load two OpenMP runtimes: {runtimes}"
 
 
+def test_a_failed_openmp_build_is_remembered_only_when_the_serial_build_works(monkeypatch, tmp_path, capsys):
+    """A compiler that cannot link OpenMP would otherwise recompile (~30 s) and fail at every
+    start before falling back. Oracle: the calls the builder receives. The builder is faked
+    (no compiling here): the OpenMP build raises, the serial one works, then both raise."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    calls = []
+    serial_works = True
+
+    def fake_build(name, **kwargs):
+        calls.append(name)
+        if name.endswith("_openmp") or not serial_works:
+            raise RuntimeError("cannot find -lgomp")
+        return object()
+
+    def fresh_start():
+        for attr, value in (("_module", None), ("_build", None), ("_error", None)):
+            monkeypatch.setattr(kernels, attr, value)
+
+    monkeypatch.setattr(cpp_extension, "load", fake_build)
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("VERISPEC_SERIAL_KERNELS", raising=False)
+    fresh_start()
+    kernels.load()
+    assert calls == ["verispec_qlinear_openmp", "verispec_qlinear_serial"] and not kernels.threaded()
+    assert "cannot find -lgomp" in capsys.readouterr().err
+    fresh_start()
+    kernels.load()  # the next start: straight to the serial build, saying why
+    assert calls[2:] == ["verispec_qlinear_serial"]
+    assert "remembered" in capsys.readouterr().err
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "other"))
+    serial_works = False
+    fresh_start()
+    with pytest.raises(kernels.KernelUnavailable, match="cannot find -lgomp"):
+        kernels.load()
+    assert not list((tmp_path / "other").rglob(kernels.FAILED)), "nothing built: nothing may be remembered"
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 def test_attention_is_softmax_attention_and_batch_invariant(mod, head_dim):
     g = torch.Generator().manual_seed(head_dim)

@@ -13,6 +13,7 @@ Checked by tests/test_qlinear.py.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
@@ -33,6 +34,7 @@ _SOURCE = Path(__file__).with_name("qlinear.cpp")
 # VERISPEC_SERIAL_KERNELS=1 asks for it (to measure what the threads buy).
 _BASE_CFLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off")
 BUILDS = {"openmp": (_BASE_CFLAGS + ("-fopenmp",), ("-lgomp",)), "serial": (_BASE_CFLAGS, ())}
+FAILED = "build-failed.txt"  # in a build folder: that build failed where a later one worked
 _lock = threading.Lock()
 _module = None
 _build: str | None = None  # which of BUILDS is loaded
@@ -78,14 +80,19 @@ def load(verbose: bool = False):
         if os.environ.get("VERISPEC_NO_KERNELS") == "1":
             _error = "verispec's kernels are off (VERISPEC_NO_KERNELS=1)"
             raise KernelUnavailable(_error)
-        failures = []
+        failures = []  # "build: reason", in the order tried
+        fresh = {}  # build folder -> reason, for builds that failed in this call
         builds = ["serial"] if os.environ.get("VERISPEC_SERIAL_KERNELS") == "1" else list(BUILDS)
         for build in builds:
             cflags, ldflags = BUILDS[build]
+            folder = _build_dir(build)
+            known = folder / FAILED
+            if known.is_file():  # failed where a later build worked: not tried again at every start
+                failures.append(f"{build}: {known.read_text().strip()} (remembered; delete {folder} to retry)")
+                continue
             try:
                 from torch.utils.cpp_extension import load as compile_and_load
 
-                folder = _build_dir(build)
                 folder.mkdir(parents=True, exist_ok=True)
                 _module = compile_and_load(name=f"verispec_qlinear_{build}", sources=[str(_SOURCE)],
                                            build_directory=str(folder), extra_cflags=list(cflags),
@@ -93,10 +100,14 @@ def load(verbose: bool = False):
                 _build = build
                 break
             except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: say which
-                failures.append(f"{build}: {type(e).__name__}: {str(e).strip()[:300]}")
-        if _module is None:
+                fresh[folder] = f"{type(e).__name__}: {str(e).strip()[:300]}"
+                failures.append(f"{build}: {fresh[folder]}")
+        if _module is None:  # nothing built: the toolchain may be what failed, so nothing is remembered
             _error = f"verispec's CPU kernels could not be built ({'; '.join(failures)})"
             raise KernelUnavailable(_error)
+        for folder, reason in fresh.items():  # a later build worked, so these flags are what failed
+            with contextlib.suppress(OSError):
+                (folder / FAILED).write_text(reason + "\n")
         if failures:
             print(f"verispec: the kernels run on one thread (the OpenMP build failed: {failures[0]})", file=sys.stderr)
     return _module

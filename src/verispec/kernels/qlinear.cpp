@@ -11,10 +11,11 @@
 // float operations whatever M is and whichever other rows share the call. The K loop runs
 // in block order into one 16-lane accumulator per (m, n) (two FMAs per 32-weight block, low
 // half then high half), and the accumulator is reduced by one fixed tree. Rows are tiled
-// (ROW_TILE at a time, reusing each dequantized block from registers) and output columns
-// are split across threads, but neither changes the order of any element's sum. So a row
-// decoded alone, beside other rows, or as one position of a verify block gives bit-equal
-// logits, which is what makes speculative decoding token-identical in these formats.
+// (ROW_TILE at a time, up to nine on the AVX-512 float path, reusing each dequantized block
+// from registers) and output columns are split across threads, but neither changes the
+// order of any element's sum. So a row decoded alone, beside other rows, or as one position
+// of a verify block gives bit-equal logits, which is what makes speculative decoding
+// token-identical in these formats.
 //
 // bf16 weights have two kernels: bf16dot (AVX512-BF16 dot instructions) and bf16amx (AMX
 // tiles, where the CPU has them), each batch-invariant on its own (their sections say how).
