@@ -138,19 +138,28 @@ def _assert_batch_invariant(model):
     assert torch.equal(_logits_of(model, prompt, cont, [3, 9], beside=[2, 4, 6, 8, 10, 12, 14]), single)
 
 
+FORCED_BF16 = {
+    "bf16amx": lambda mod: mod.bf16amx() or "no AMX-BF16 on this CPU (or the OS refused the tile state)",
+    "bf16cols": lambda mod: mod.isa() >= 2 or "bf16cols needs AVX-512F (this CPU has no AVX-512)",
+    "bf16rows": lambda mod: True,
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(FORCED_BF16))
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_the_amx_kernel_decodes_like_transformers_and_batch_invariantly(folders, family, monkeypatch):
-    """bf16amx (AMX tiles) for every matrix, whatever the timings would choose here: the
+def test_each_bf16_kernel_decodes_like_transformers_and_batch_invariantly(folders, family, kernel, monkeypatch):
+    """One bf16 kernel for every matrix, whatever the timings would choose here: the
     transformers oracle as above, and a row's logits bit-equal one token at a time, as
     verify blocks, and beside another row's prefill."""
-    if not kernels.load().bf16amx():
-        pytest.skip("no AMX-BF16 on this CPU (or the OS refused the tile state)")
+    runs = FORCED_BF16[kernel](kernels.load())
+    if runs is not True:
+        pytest.skip(runs)
     real = kernel_plan.candidates
     monkeypatch.setattr(kernel_plan, "candidates",
-                        lambda dtype, fmt: ["bf16amx"] if fmt is None and dtype == torch.bfloat16 else real(dtype, fmt))
+                        lambda dtype, fmt: [kernel] if fmt is None and dtype == torch.bfloat16 else real(dtype, fmt))
     folder, reference = folders[family]
     model = _bf16_invariant(folder)
-    assert set(model.kernel_plan.linear.values()) == {"bf16amx"} and model.kernel_plan.invariant
+    assert set(model.kernel_plan.linear.values()) == {kernel} and model.kernel_plan.invariant
     _assert_close_to_transformers(model, folder, reference)
     _assert_batch_invariant(model)
 

@@ -19,10 +19,12 @@ import torch.nn.functional as F
 from verispec import kernels
 from verispec.models.quant import (
     deinterleave4,
+    deinterleave16_bf16,
     deinterleave_amx,
     dequantize,
     interleave4,
     interleave16_blocks,
+    interleave16_bf16,
     interleave_amx,
     quantize,
 )
@@ -71,6 +73,7 @@ def test_interleaved_layouts_hold_the_same_rows():
     w = _weights(130, 96).to(torch.bfloat16)
     assert torch.equal(deinterleave4(interleave4(w), 130, 96), w.float())
     assert torch.equal(deinterleave_amx(interleave_amx(w), 130, 96), w.float())
+    assert torch.equal(deinterleave16_bf16(interleave16_bf16(w), 130, 96), w.float())
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -155,6 +158,32 @@ def test_amx_kernel_is_a_bf16_product_with_float32_sums(mod):
         assert torch.equal(mod.bf16amx_linear(x, interleave_amx(w), bias, n, False), y.to(torch.bfloat16))
 
 
+def test_column_tile_kernel_is_a_bf16_product_summed_in_k_order(mod):
+    """bf16cols: exact bf16 x float32 products, one float32 sum per output in k order.
+    Oracle: float64 products (within float32 summation error), and the same k-order sum
+    written out in torch (one fused multiply-add per k is not what torch does, so within a
+    few float32 ulps, not bit-equal); bf16 output = the float32 output rounded by torch."""
+    if mod.isa() < 2:
+        pytest.skip("bf16cols needs AVX-512F (this CPU has no AVX-512)")
+    for n, k, m in [(130, 96, 9), (64, 320, 1), (200, 64, 17), (1536, 640, 4)]:  # a partial tile, chunks of 9
+        w = _weights(n, k).to(torch.bfloat16)
+        x = _rows(m, k)
+        bias = torch.randn(n)
+        tiles = interleave16_bf16(w)
+        y = mod.bf16cols_linear(x, tiles, bias, n, True)
+        ref = x.double() @ w.double().T + bias.double()
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+        seq = torch.zeros(m, n)
+        for j in range(k):
+            seq = seq + x[:, j : j + 1] * w[:, j].float()[None, :]
+        torch.testing.assert_close(y, seq + bias, rtol=1e-5, atol=1e-5)
+        xb = x.to(torch.bfloat16)
+        assert torch.equal(mod.bf16cols_linear(xb, tiles, bias, n, False),
+                           mod.bf16cols_linear(xb.float(), tiles, bias, n, True).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="16-column tiles"):
+        mod.bf16cols_linear(torch.zeros(1, 96), tiles[:-2], None, n, True)
+
+
 def _kernel_calls(mod):
     calls = {}
     for fmt in ("q4_1", "q8_0", "bf16"):
@@ -168,6 +197,8 @@ def _kernel_calls(mod):
         calls["bf16dot"] = (torch.bfloat16, lambda x, w: mod.bf16_linear(x, interleave4(w), None, w.shape[0], False))
     if mod.bf16amx():
         calls["bf16amx"] = (torch.bfloat16, lambda x, w: mod.bf16amx_linear(x, interleave_amx(w), None, w.shape[0], False))
+    if mod.isa() >= 2:
+        calls["bf16cols"] = (torch.bfloat16, lambda x, w: mod.bf16cols_linear(x, interleave16_bf16(w), None, w.shape[0], False))
     return calls
 
 

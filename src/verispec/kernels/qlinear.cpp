@@ -1210,6 +1210,109 @@ void kernel_256(const float* x, const uint8_t* w, const float* bias, float* y, i
   }
 }
 
+// ---------------------------------------------------------------------------- bf16 column tiles
+//
+// bf16cols: a bf16 model's weights on an AVX-512 CPU without bf16 arithmetic, with no
+// horizontal sum per output. The weights are stored in tiles of 16 columns, k by k
+// (quant.py interleave16_bf16): at each k one 32-byte load holds the tile's 16 weights,
+// widened exactly to float32, and every row multiplies them by its x[k] broadcast into
+// its own 16-lane accumulator, lane j being column 16t + j. So each output is
+//     y[m, n] = fma(w[n, K-1], x[m, K-1], ... fma(w[n, 1], x[m, 1], w[n, 0] * x[m, 0]) ...) (+ bias)
+// in k order: the same operations whatever M is, whichever rows share the call, however
+// many tiles a pass takes and whichever thread has the tile, so it is batch-invariant by
+// construction. bf16rows sums each column in 16 lanes and a tree instead (another order),
+// so the two are different float32 models of the same exact products, and a plan takes
+// one of them per matrix. Why: bf16rows widens each weight once per pass but ends every
+// output with a 16-lane reduction and reads one column's row at a time; here a verify
+// block of 9 rows costs one widening per 16 weights and nine FMAs, nothing else.
+
+constexpr int COLS_GROUP = 12;  // tiles a thread works through together: every pass width (4, 3, 2, 1) divides it
+
+template <int MT, int T>
+__attribute__((target("avx512f,avx512bw,avx512vl,fma")))
+void bf16cols_pass(const float* x, const uint16_t* w, const float* bias, void* y, bool y_bf16, int64_t N, int64_t K,
+                   int64_t m0, int64_t tile) {
+  __m512 acc[T][MT];
+#pragma GCC unroll 4
+  for (int c = 0; c < T; c++)
+#pragma GCC unroll 9
+    for (int r = 0; r < MT; r++) acc[c][r] = _mm512_setzero_ps();
+  const uint16_t* wt = w + tile * K * 16;
+  const float* xr = x + m0 * K;
+  for (int64_t k = 0; k < K; k++) {
+    __m512 wv[T];
+#pragma GCC unroll 4
+    for (int c = 0; c < T; c++)
+      wv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(wt + (c * K + k) * 16))), 16));
+#pragma GCC unroll 9
+    for (int r = 0; r < MT; r++) {
+      const __m512 xv = _mm512_set1_ps(xr[r * K + k]);
+#pragma GCC unroll 4
+      for (int c = 0; c < T; c++) acc[c][r] = _mm512_fmadd_ps(wv[c], xv, acc[c][r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < T; c++) {
+    const int64_t n = (tile + c) * 16;
+    if (n >= N) break;
+    const __mmask16 mask = (__mmask16)tile_mask16(n, N);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+#pragma GCC unroll 9
+    for (int r = 0; r < MT; r++) {
+      const __m512 v = bias ? _mm512_add_ps(acc[c][r], bv) : acc[c][r];
+      const int64_t at = (m0 + r) * N + n;
+      if (y_bf16) _mm256_mask_storeu_epi16((uint16_t*)y + at, mask, bf16_rne16(v));
+      else _mm512_mask_storeu_ps((float*)y + at, mask, v);
+    }
+  }
+}
+
+using ColsPass = void (*)(const float*, const uint16_t*, const float*, void*, bool, int64_t, int64_t, int64_t, int64_t);
+
+// tiles per pass for MT rows: as many accumulators as the registers hold (T * MT <= 18)
+template <int MT>
+constexpr int cols_width() { return MT <= 4 ? 4 : MT <= 6 ? 3 : 2; }
+
+struct ColsPasses {
+  ColsPass wide[10], one[10];
+  int width[10];
+};
+
+template <int MT>
+void fill_cols_passes(ColsPasses& p) {
+  p.wide[MT] = bf16cols_pass<MT, cols_width<MT>()>;
+  p.one[MT] = bf16cols_pass<MT, 1>;
+  p.width[MT] = cols_width<MT>();
+  if constexpr (MT > 1) fill_cols_passes<MT - 1>(p);
+}
+
+const ColsPasses& cols_passes() {
+  static const ColsPasses passes = [] {
+    ColsPasses p{};
+    fill_cols_passes<9>(p);
+    return p;
+  }();
+  return passes;
+}
+
+// tiles [t0, t1) for all M rows: in groups of COLS_GROUP tiles (held in cache while every
+// chunk of up to nine rows passes over them), each chunk as wide as its row count allows
+void kernel_bf16cols(const float* x, const uint16_t* w, const float* bias, void* y, bool y_bf16, int64_t M,
+                     int64_t N, int64_t K, int64_t t0, int64_t t1) {
+  const ColsPasses& p = cols_passes();
+  for (int64_t g = t0; g < t1; g += COLS_GROUP) {
+    const int64_t g1 = std::min<int64_t>(g + COLS_GROUP, t1);
+    for (int64_t m0 = 0; m0 < M; m0 += 9) {
+      const int mt = (int)std::min<int64_t>(9, M - m0);
+      const int width = p.width[mt];
+      int64_t t = g;
+      for (; t + width <= g1; t += width) p.wide[mt](x, w, bias, y, y_bf16, N, K, m0, t);
+      for (; t < g1; t++) p.one[mt](x, w, bias, y, y_bf16, N, K, m0, t);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------- scalar
 
 template <int FMT>
@@ -1388,6 +1491,33 @@ torch::Tensor bf16amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<tor
   void* yp = y.data_ptr();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     kernel_bf16amx(xp, MP, wp, bptr, yp, !out_float, M, N, K, g0, g1);
+  });
+  return y;
+}
+
+// x float32 or bfloat16 [M, K]; w the 16-column tiles (quant.py interleave16_bf16) as uint8;
+// out float32 when x is float32 or out_float, else bfloat16 (rounded to nearest even)
+torch::Tensor bf16cols_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t N,
+                              bool out_float) {
+  TORCH_CHECK(best_isa() == AVX512, "the bf16cols kernel needs AVX-512F and AVX-512BW");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "x must be a 2-D float32 or bfloat16 tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t tiles = (N + 15) / 16;
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == tiles * 16 * K * 2,
+              "w must hold the 16-column tiles (N rounded up to 16)");
+  const bool y_bf16 = !out_float && x.scalar_type() == torch::kBFloat16;
+  torch::Tensor xf = x.to(torch::kFloat32).contiguous();  // bf16 widens exactly
+  torch::Tensor b;
+  const float* bptr = float_bias(bias, N, b);
+  auto y = torch::empty({M, N}, x.options().dtype(y_bf16 ? torch::kBFloat16 : torch::kFloat32));
+  if (M == 0) return y;
+  const float* xp = xf.data_ptr<float>();
+  const uint16_t* wp = (const uint16_t*)w.data_ptr<uint8_t>();
+  void* yp = y.data_ptr();
+  const int64_t grain = std::max<int64_t>(1, tiles / (4 * std::max(1, at::get_num_threads())));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    kernel_bf16cols(xp, wp, bptr, yp, y_bf16, M, N, K, t0, t1);
   });
   return y;
 }
@@ -1800,5 +1930,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "attention computed per (query, head), batch-invariant");
   m.def("bf16dot", &bf16dot, "whether the AVX512-BF16 kernel runs here");
   m.def("bf16amx", &bf16amx, "whether the AMX-BF16 kernel runs here (CPU and kernel permission)");
+  m.def("bf16cols_linear", &bf16cols_linear, "bf16 weights in 16-column tiles x float32 activations, sums in k order (AVX-512F; batch-invariant)");
   m.def("bf16amx_linear", &bf16amx_linear, "bf16 x bf16 linear with float32 sums on AMX tiles (batch-invariant)");
 }

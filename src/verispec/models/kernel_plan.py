@@ -42,6 +42,9 @@ What is chosen:
   the tiles are faster there and at every larger count timed, its calls run on AMX
   (`q8_0-i8:R`; models/linear.py). The choice changes no result, only the price of a
   many-row call: Gemma-3's q8_0 lm_head, two fifths of a 4-row step's time here.
+  PLAN_VERSION 7: a bf16 matrix may take `bf16cols` on AVX-512 (16-column tiles, no
+  horizontal sums; batch-invariant): on the Xeon without AVX512-BF16 it beat bf16rows at
+  1 and 9 rows on every Gemma-3 matrix (docs/kernels.md).
 
 Checked by tests/test_kernel_plan.py (a plan is cached and reused, invalidated by its key;
 forced modes; lossless quantization found exactly where it exists) and, end to end, by
@@ -62,14 +65,14 @@ import torch
 from verispec.models import profiles
 from verispec.models.linear import BF16_KERNELS, Linear, amx_allowed, kernel_runs
 
-PLAN_VERSION = 6
+PLAN_VERSION = 7
 VERIFY_ROWS = 9  # a verify block: 8 drafts + the pending token (the engine's default)
 AMX_ROWS = (1, 2, 3, 4, 6, 8, 9, 12, 16)  # row counts an -i8 role's two paths are timed at
 MEMORY_BYTES = 48 * 2**20  # weight copies per timing, so a decode-like read comes from DRAM
 MAX_COPIES = 24
 MODES = ("auto", "invariant", "fastest", "onednn")
 QUANTS = ("auto", "none", "q8_0", "q4_1")
-INVARIANT = {"bf16dot", "bf16amx", "bf16rows", "q8_0", "q4_1", "q8_0-i8", "q4_1-i8"}  # by construction (kernels/qlinear.cpp)
+INVARIANT = {"bf16dot", "bf16amx", "bf16rows", "bf16cols", "q8_0", "q4_1", "q8_0-i8", "q4_1-i8"}  # by construction (kernels/qlinear.cpp)
 
 
 @dataclass
@@ -261,7 +264,7 @@ def lossless_formats(model) -> dict[str, str]:
 def candidates(dtype: torch.dtype, fmt: str | None) -> list[str]:
     if fmt is not None:
         return [k for k in (f"{fmt}-i8", fmt) if kernel_runs(k, dtype)]
-    base = ["bf16amx", "bf16dot", "bf16rows", "onednn", "aten"] if dtype == torch.bfloat16 else ["onednn", "aten"]
+    base = ["bf16amx", "bf16dot", "bf16cols", "bf16rows", "onednn", "aten"] if dtype == torch.bfloat16 else ["onednn", "aten"]
     return [k for k in base if kernel_runs(k, dtype)]
 
 

@@ -21,6 +21,12 @@ machine it runs on, and caches the choice):
 * `bf16rows`  verispec's float kernel over bf16 weight rows for a bf16 model on a CPU
               without AVX512-BF16 (AVX2 or AVX-512F): activations widened to float32
               (exact), products and sums in float32, batch-invariant by construction;
+* `bf16cols`  the same products on AVX-512F, the weights in 16-column tiles and each
+              row's activation broadcast, so an output is one fused multiply-add per
+              weight in k order and no horizontal sum (another summation order than
+              bf16rows: another float32 model of the same bf16 model; batch-invariant by
+              construction); on the Xeon without AVX512-BF16 it took a 9-row call of
+              Gemma-3's gate_up from 506 to 378 us and one row from 190 to 124 us;
 * `q8_0`, `q4_1` (+ `-i8`): verispec's weight-only kernels over GGUF's blocks, float32
               activations, or int8 activations (llama.cpp's arithmetic; AVX-512 VNNI or
               AVX2, the same bits on both);
@@ -45,9 +51,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNELS = ("aten", "onednn", "bf16dot", "bf16amx", "bf16rows", "q8_0", "q4_1", "q8_0-i8", "q4_1-i8")  # + "onednn:C", "-i8:R"
+KERNELS = ("aten", "onednn", "bf16dot", "bf16amx", "bf16rows", "bf16cols", "q8_0", "q4_1", "q8_0-i8", "q4_1-i8")  # + "onednn:C", "-i8:R"
 QUANT_FORMATS = ("q8_0", "q4_1")
-BF16_KERNELS = ("bf16dot", "bf16amx", "bf16rows")  # verispec's kernels over the model's own bf16 weights
+BF16_KERNELS = ("bf16dot", "bf16amx", "bf16rows", "bf16cols")  # verispec's kernels over the model's own bf16 weights
 
 
 def packing_enabled(device: torch.device) -> bool:
@@ -100,6 +106,8 @@ def kernel_runs(kernel: str, dtype: torch.dtype) -> bool:
         return dtype == torch.bfloat16 and amx_allowed() and bool(mod.bf16amx())
     if base == "bf16rows":
         return dtype == torch.bfloat16
+    if base == "bf16cols":
+        return dtype == torch.bfloat16 and mod.isa() == 2  # AVX-512F + BW
     if base.endswith("-i8"):
         return bool(mod.int8dot())
     return base in QUANT_FORMATS
@@ -140,7 +148,7 @@ class Linear(nn.Module):
             self.packed, self.chunk = packed, int(chunk or 0)
         else:
             from verispec import kernels
-            from verispec.models.quant import interleave4, interleave16_blocks, interleave_amx, quantize
+            from verispec.models.quant import interleave4, interleave16_blocks, interleave16_bf16, interleave_amx, quantize
 
             if not kernel_runs(base, dense.dtype) or dense.shape[1] % 32:
                 return False
@@ -149,6 +157,8 @@ class Linear(nn.Module):
                 self.blocks = interleave4(dense)
             elif base == "bf16amx":
                 self.blocks = interleave_amx(dense)
+            elif base == "bf16cols":
+                self.blocks = interleave16_bf16(dense)
             elif base.endswith("-i8"):
                 self.blocks = interleave16_blocks(quantize(dense, fmt), fmt)
             else:
@@ -199,8 +209,8 @@ def _kernel_call(layer: Linear):
     mod = kernels.load()
     blocks, bias, n, fmt = layer.blocks, layer.bias, layer.out_features, layer._fmt
     float_out = layer.float_out
-    if layer.kernel in ("bf16dot", "bf16amx"):
-        fn = mod.bf16_linear if layer.kernel == "bf16dot" else mod.bf16amx_linear
+    if layer.kernel in ("bf16dot", "bf16amx", "bf16cols"):
+        fn = {"bf16dot": mod.bf16_linear, "bf16amx": mod.bf16amx_linear, "bf16cols": mod.bf16cols_linear}[layer.kernel]
         return lambda x: fn(x, blocks, bias, n, float_out)
     if layer._isa == 3:
         fn, amx_from = mod.qlinear16, layer.amx_from

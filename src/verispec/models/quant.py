@@ -46,6 +46,23 @@ def interleave4(weight: torch.Tensor) -> torch.Tensor:
     return tiles.view(torch.uint8).reshape(-1)
 
 
+def interleave16_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 -> uint8 in the bf16cols kernel's layout: columns in tiles of sixteen (N
+    padded with zero rows to a multiple of 16), each tile stored k by k (the sixteen
+    columns' weights at k, then at k + 1), so one 32-byte load gives a tile's weights at k."""
+    n, k = weight.shape
+    pad = (-n) % 16
+    w = weight.detach().to(torch.bfloat16)
+    if pad:
+        w = torch.cat([w, torch.zeros(pad, k, dtype=torch.bfloat16)])
+    return w.reshape(-1, 16, k).transpose(1, 2).contiguous().view(torch.uint8).reshape(-1)
+
+
+def deinterleave16_bf16(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    tiles = blocks.view(torch.bfloat16).reshape(-1, k, 16).transpose(1, 2)
+    return tiles.reshape(-1, k)[:n].float()
+
+
 def interleave_amx(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] bf16 -> uint8 in the bf16amx kernel's layout: columns in groups of 64 (N
     padded with zero rows to a multiple of 64), each group stored K block by K block as
