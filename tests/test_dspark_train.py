@@ -482,3 +482,74 @@ def test_a_warm_restart_deepens_the_drafter_and_refuses_to_drop_layers(features,
     assert main([*shallow, "--steps", "1", "--init-from", str(tmp_path / "deep" / "step_1"),
                  "--out", str(tmp_path / "refused")]) != 0
     assert "not removed" in capsys.readouterr().err
+
+
+def _decode_one_at_a_time(model, ids: list[int], taps: list[int]):
+    """Serving's view of a sequence: one forward per token, the taps and logits of each."""
+    from verispec.models.decoder import BatchKV
+
+    seq = model.new_cache().allocate(len(ids) + 1)
+    hidden, logits = [], []
+    for token in ids:
+        out = model(torch.tensor([token]), BatchKV([seq], [1]), taps=taps)
+        hidden.append(torch.cat(out.hidden, dim=-1))
+        logits.append(out.logits)
+    return torch.cat(hidden), torch.cat(logits)
+
+
+@pytest.mark.parametrize("quant", ["auto", "q8_0"])
+def test_served_features_are_the_bits_serving_reads(quant):
+    """`dspark features --plan served`: one teacher-forced forward over the sequence gives, at
+    every position, the taps the served target hands the drafter when it decodes the same
+    tokens one at a time, and the logsumexp of the served head's logits (the kernels are
+    batch-invariant). With a q8_0 head (int8 activations), train's served_target_head scores
+    the draft-vocabulary rows exactly as the served head does; the float head does not."""
+    from verispec.models.loader import load_for_serving
+    from verispec.training.dspark.features import sequence_features
+    from verispec.training.dspark.train import served_target_head
+
+    loaded = load_for_serving(str(ORACLE / "target"), dtype="bfloat16", quant=quant, progress=False)
+    model = loaded.model
+    if quant == "q8_0" and not model.lm.kernel.endswith("-i8"):
+        pytest.skip("no int8-activation kernel on this CPU")
+    assert model.kernel_plan.invariant
+    prompt, answer = [5, 9, 14, 22, 31], [7, 1, 60, 33, 12, 90, 45, 8, 19, 27, 3, 55]
+    taps = [0, 2, 4]
+    f = sequence_features(model, prompt, answer, taps)
+    hidden, logits = _decode_one_at_a_time(model, prompt + answer, taps)
+    assert torch.equal(f["taps"], hidden.to(torch.bfloat16))
+    assert torch.equal(f["lse"][len(prompt):], logits[len(prompt):].logsumexp(-1).float())
+    if quant != "q8_0":
+        return
+    from verispec.models.loader import read_tensors
+    from verispec.models.quant import dequantize, quantize
+
+    dense = read_tensors(ORACLE / "target")["lm_head.weight"].float()
+    rows = torch.tensor([3, 17, 42, 100, 5, 200, 77, 64, 1, 300, 9, 150, 11, 400, 2, 99, 250])  # a draft vocabulary
+    exact = dequantize(quantize(dense, "q8_0"), "q8_0", dense.shape[1])[rows]  # what the served head holds
+    head = torch.nn.Linear(exact.shape[1], len(rows), bias=False)
+    head.weight.data.copy_(exact)
+    served = served_target_head(head, model.lm.kernel)
+    last = f["last_hidden"].float()
+    assert torch.equal(served(last), logits[:, rows])
+    assert not torch.equal(head(last), logits[:, rows])  # the float head is another (nearby) model
+    head.weight.data.copy_(dense[rows])  # rows that q8_0 does not hold exactly: refused, not silently rounded
+    with pytest.raises(Exception, match="not exact"):
+        served_target_head(head, model.lm.kernel)
+
+
+def test_a_features_folder_holds_one_kind_of_target(features, tmp_path, capsys):
+    """The served target's features and PyTorch's are different numbers: a folder of one is
+    not continued with the other, and two such folders are not mixed in one training run."""
+    answers = str(features.parent / "answers.jsonl")
+    common = ["dspark", "features", "-m", str(ORACLE / "target"), "--data", answers, "--taps", "0,2,4",
+              "--dtype", "float32", "--quiet"]
+    capsys.readouterr()
+    assert main([*common, "--out", str(features), "--plan", "dtype"]) != 0
+    assert "--plan served" in capsys.readouterr().err
+    other = tmp_path / "pytorch-features"
+    assert main([*common, "--out", str(other), "--plan", "dtype"]) == 0
+    assert json.loads((other / "manifest.json").read_text())["plan"] == "dtype"
+    assert main(["dspark", "train", "--features", f"{features},{other}", "--out", str(tmp_path / "run"), *TRAIN,
+                 "--steps", "1"]) != 0
+    assert "recompute one of them" in capsys.readouterr().err

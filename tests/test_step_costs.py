@@ -19,6 +19,8 @@ import torch
 from tests.tiny_models import build_reference, family_configs
 from verispec.engine import step_costs
 from verispec.engine.step_costs import StepCosts, monotone
+
+MEASURED_WHILE_BUSY = step_costs.measured_while_busy
 from verispec.models.loader import load_folder
 
 
@@ -32,6 +34,8 @@ def model(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    # the tables below are made up; the busy-moment guard, timing a real forward, is tested on its own
+    monkeypatch.setattr(step_costs, "measured_while_busy", lambda model, costs: False)
 
 
 def test_interpolation_and_sps_read_back_the_measured_points():
@@ -111,6 +115,28 @@ def test_the_table_is_cached_per_key_and_measured_again_when_stale(model, monkey
     assert step_costs.step_costs_for(model, sizes=(1, 2, 4))[1]["source"] == "measured" and len(calls) == 4
     path.write_text("not json")
     assert step_costs.step_costs_for(model, sizes=(1, 2, 4))[1]["source"] == "measured" and len(calls) == 5
+
+
+def test_a_table_cached_at_a_busy_moment_is_measured_again(model, monkeypatch):
+    """A table measured beside other work is slow at every size alike, so it passes the
+    sub-additivity check; its single token against one timed now gives it away. The oracle
+    for "now" is injected (a forward timed at will is what the guard itself does)."""
+    tables = iter([StepCosts({1: 0.3, 2: 0.3, 4: 0.3}), StepCosts({1: 0.1, 2: 0.11, 4: 0.13})])
+    monkeypatch.setattr(step_costs, "measure_step_costs", lambda *a, **k: next(tables))
+    now = {"seconds": 0.1}
+    monkeypatch.setattr(step_costs, "one_token_seconds", lambda model: now["seconds"])
+    monkeypatch.setattr(step_costs, "measured_while_busy", MEASURED_WHILE_BUSY)
+    busy, info = step_costs.step_costs_for(model, sizes=(1, 2, 4))
+    assert info["source"] == "measured" and busy.seconds[1] == 0.3  # measured: cached, flat
+    again, info = step_costs.step_costs_for(model, sizes=(1, 2, 4))  # 0.3 s cached, 0.1 s now
+    assert info["source"] == "measured" and again.seconds[1] == 0.1
+    now["seconds"] = 0.06  # 0.1 cached, 1.7x slower than now: noise, not a busy moment
+    third, info = step_costs.step_costs_for(model, sizes=(1, 2, 4))
+    assert info["source"] == "cache" and third.seconds == again.seconds
+
+
+def test_one_token_seconds_times_a_real_forward(model):
+    assert 0 < step_costs.one_token_seconds(model) < 60
 
 
 def test_sub_additivity_flags_only_disturbed_small_forwards():

@@ -95,6 +95,10 @@ a whole run for the default model (each command can be stopped and rerun; README
     feat.add_argument("--out", required=True, help="features folder (continued if it exists)")
     feat.add_argument("--taps", default=None, help="target layers to tap, e.g. 1,8,15,22,28 (default: DeepSpec's spacing)")
     feat.add_argument("--shard-size", type=int, default=256, help="sequences per shard (default 256)")
+    feat.add_argument("--plan", choices=["served", "dtype"], default="served",
+                      help="served (default): the target as `verispec serve` runs it here (its measured kernels and "
+                           "weight formats; --dtype as serve's), so the drafter trains on the features it reads when "
+                           "serving; dtype: PyTorch's kernels in --dtype (features made before 2026-12-06)")
     _target_options(feat)
 
     tr = stages.add_parser("train", help="train a DSpark drafter on the target's features, cached or on the fly "
@@ -112,6 +116,8 @@ a whole run for the default model (each command can be stopped and rerun; README
     src.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                      help="with --data: the target's dtype, as for `dspark features`")
     src.add_argument("--taps", default=None, help="with --data: target layers to tap (default: DeepSpec's spacing)")
+    src.add_argument("--plan", choices=["served", "dtype"], default="served",
+                     help="with --data: the target as served (default) or in --dtype, as for `dspark features`")
     tr.add_argument("--out", required=True, help="checkpoint folder (resumed if it has a checkpoint)")
     tr.add_argument("--limit", type=int, default=None,
                     help="train on the first N sequences only (after --holdout), shared evenly between the sources: "

@@ -22,6 +22,14 @@ the check is measured again (up to `ATTEMPTS` in all, each size keeping its fast
 reading: other work only adds time), and one that stays implausible is used but not
 cached, so the next start measures afresh; `verispec profile` says so.
 
+A table can also be consistent and wrong: measured while other work held the cores, every
+size reads slow alike (on the 2-core Xeon a cached gemma3 table read 146 ms from 1 to 9
+tokens, written while a test suite ran beside it; alone a token took 25 ms and 9 took 48).
+Flat, it told the scheduler that verifying 9 tokens costs what 1 does. So a cached table
+is checked against one forward timed now (`one_token_seconds`, ~3 forwards after a short
+context): a cached single token more than `BUSY_RATIO` times slower than now means it was
+measured at a busy moment, and the table is measured again.
+
 The rows a forward spans matter too: on a 2-core Zen 5 with the default SmolLM2 plan, 8
 tokens as one row's verify block took 19.8 ms and as 8 rows of one token 28.4 ms (each
 row has its own attention and plan; `verispec profile` prints both). So the table also
@@ -31,7 +39,7 @@ t(B) + o(R). Within a step R is fixed; the scheduler compares lengths at that R.
 
 Oracle: tests/test_step_costs.py (monotone, median, interpolation against the measured
 points, the cache reused and invalidated by its key and age, an implausible table measured
-again and never cached).
+again and never cached, a table cached at a busy moment measured again).
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ VERSION = 4  # 4: sizes timed in rounds (a table measured beside other work had 
 ATTEMPTS = 3  # measurements of a table that is not sub-additive, in all
 SLACK = 1.25  # timing noise allowed by the sub-additivity check
 SUBADDITIVE_UPTO = 9  # the largest forward (one row's verify block) the check covers
+BUSY_RATIO = 2.0  # a cached 1-token forward this many times slower than one now: measured beside other work
 
 
 class StepCosts:
@@ -213,6 +222,18 @@ def fastest(first: StepCosts, second: StepCosts) -> StepCosts:
                      {r: min(o, second.row_overhead.get(r, o)) for r, o in first.row_overhead.items()})
 
 
+def one_token_seconds(model) -> float:
+    """A single-token forward's seconds now: the median of 3 after a short context."""
+    return measure(model, sizes=(1,), context=16, repeats=3)[1]
+
+
+def measured_while_busy(model, costs: StepCosts) -> bool:
+    """Whether a cached table's single token is over BUSY_RATIO times what one costs now."""
+    if 1 not in costs.seconds:
+        return False
+    return costs.seconds[1] > BUSY_RATIO * one_token_seconds(model)
+
+
 def cache_key(model, sizes=SIZES, rows=ROWS) -> dict:
     from verispec.models.kernel_plan import cpu_name
 
@@ -248,7 +269,8 @@ def step_costs_for(model, refresh: bool = False, sizes=SIZES, rows=ROWS) -> tupl
             if saved["key"] == json.loads(json.dumps(key, default=str)) and fresh and plausible:
                 costs = StepCosts({int(n): s for n, s in saved["seconds"].items()},
                                   {int(r): o for r, o in saved["row_overhead"].items()})
-                return costs, {"source": "cache", "path": str(path), "measured_at": saved["measured_at"]}
+                if not measured_while_busy(model, costs):
+                    return costs, {"source": "cache", "path": str(path), "measured_at": saved["measured_at"]}
         except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable: measure again
     costs = measure_step_costs(model, sizes, rows=rows)

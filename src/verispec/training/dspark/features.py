@@ -15,6 +15,19 @@ Shards of `--shard-size` records are written atomically as safetensors files
 in `manifest.json` after each one, so an interrupted run continues from the next shard.
 Training reads slices through safetensors' memory map.
 
+Which target computes them (`--plan`): by default `served`, the target exactly as `verispec
+serve` loads it on this machine (its measured kernel plan and weight formats). Its kernels are
+batch-invariant, so a sequence's teacher-forced forward gives the same bits per position as
+serving's decode steps: the drafter trains on the very features it reads when it drafts, and
+the logsumexp is the served head's (a q8_0 head with int8 activations, where that is what
+serves; `dspark train` then scores the draft vocabulary with the same kernel, train.py
+`served_target_head`). `--plan dtype` is PyTorch's kernels in `--dtype`, the tool before
+2026-12-06. Why: on a CPU without bf16 arithmetic `--dtype auto` is float32 for these tools
+while gemma3 serves bf16 activations, and the float32 taps differed from the served ones by
+0.8-8% (relative norm over a sequence), the logsumexp by 0.10-0.12 on average (max 0.96-7.5);
+the served plan also ran a 400-token sequence in 1.06 s against float32's 1.16 (a throwaway
+probe, three sequences, Intel Xeon without AVX512-BF16). Campaign stage 22.
+
 Why a cache rather than target forwards during training: measured on this machine (README,
 "Training a drafter"), the target's teacher-forced forward per sequence costs a large
 share of a drafter training step, and training makes several passes over the data; the
@@ -42,6 +55,27 @@ from verispec.errors import UserError
 
 MANIFEST = "manifest.json"
 VERSION = 1
+PLANS = ("served", "dtype")
+
+
+def load_target(model: str | None, dtype: str, plan: str = "served"):
+    """The target the features come from: `served` = what `verispec serve` loads here (the
+    kernel plan measured for this machine; `dtype` as serve's --dtype), `dtype` = PyTorch's
+    kernels in that dtype."""
+    from verispec.models.loader import load_for_serving, load_model, resolve_dtype
+    from verispec.models.registry import DEFAULT_MODEL
+
+    if plan not in PLANS:
+        raise UserError(f"--plan must be one of {', '.join(PLANS)}, not {plan!r}")
+    if plan == "served":
+        return load_for_serving(model or DEFAULT_MODEL, dtype=dtype)
+    return load_model(model or DEFAULT_MODEL, dtype=resolve_dtype(dtype))
+
+
+def head_kernel(loaded) -> str:
+    """The kernel of the target's lm_head as loaded ("aten" for PyTorch's)."""
+    lm = getattr(loaded.model, "lm", None)
+    return "aten" if lm is None else lm.kernel
 
 
 def default_taps(num_layers: int, count: int = 5) -> list[int]:
@@ -115,9 +149,6 @@ def write_manifest(folder: Path, manifest: dict) -> None:
 def run_features(args) -> int:
     from tqdm.auto import tqdm
 
-    from verispec.models.loader import load_model, resolve_dtype
-    from verispec.models.registry import DEFAULT_MODEL
-
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -125,10 +156,12 @@ def run_features(args) -> int:
     records = read_records(Path(args.data))
     if not records:
         raise UserError(f"{args.data}: no datagen records with answers (run `verispec dspark datagen` first)")
-    loaded = load_model(args.model or DEFAULT_MODEL, dtype=resolve_dtype(args.dtype))
+    plan = getattr(args, "plan", "served")
+    loaded = load_target(args.model, args.dtype, plan)
     args_m = loaded.model.args
     taps = [int(t) for t in args.taps.split(",")] if args.taps else default_taps(args_m.num_layers)
-    manifest = load_manifest(out) or {
+    served = {"plan": plan, "head_kernel": head_kernel(loaded), "dtype": str(loaded.model.dtype).removeprefix("torch.")}
+    manifest = load_manifest(out) or {**served,
         "version": VERSION, "target": str(loaded.folder), "target_name": loaded.name, "target_layer_ids": taps,
         "hidden_size": args_m.hidden_size, "num_target_layers": args_m.num_layers, "vocab_size": args_m.vocab_size,
         "data": str(Path(args.data).resolve()), "shard_size": args.shard_size, "shards": [], "records": 0,
@@ -137,6 +170,11 @@ def run_features(args) -> int:
     if manifest["target_layer_ids"] != taps or manifest["hidden_size"] != args_m.hidden_size:
         raise UserError(f"{out} holds features for taps {manifest['target_layer_ids']} of another target or tap set; "
                         "use a new --out folder")
+    if manifest.get("plan", "dtype") != plan or manifest.get("head_kernel", "aten") != served["head_kernel"]:
+        raise UserError(f"{out} holds features of the target as {manifest.get('plan', 'dtype')} "
+                        f"(head {manifest.get('head_kernel', 'aten')}), not {plan} (head {served['head_kernel']}): "
+                        "a folder holds one kind; use a new --out folder or --plan "
+                        f"{manifest.get('plan', 'dtype')}")
     start = manifest["records"]
     todo = records[start:]
     print(f"features: {start} of {len(records)} records already in {out}; taps {taps}", file=sys.stderr)
@@ -183,7 +221,7 @@ class TargetFeatures:
     teacher-forced target forward per access, nothing on disk. Same interface as FeatureCache
     (len, [i], answer_tokens, manifest, folder_ranges); several record lists are mixed in order."""
 
-    def __init__(self, record_lists: list[list[dict]], loaded, taps: list[int]):
+    def __init__(self, record_lists: list[list[dict]], loaded, taps: list[int], plan: str = "dtype"):
         args_m = loaded.model.args
         self.model, self.taps = loaded.model, taps
         self.records = [r for records in record_lists for r in records]
@@ -194,7 +232,8 @@ class TargetFeatures:
         self.manifest = {"version": VERSION, "target": str(loaded.folder), "target_name": loaded.name,
                          "target_layer_ids": taps, "hidden_size": args_m.hidden_size,
                          "num_target_layers": args_m.num_layers, "vocab_size": args_m.vocab_size,
-                         "records": len(self.records), "on_the_fly": True}
+                         "records": len(self.records), "on_the_fly": True, "plan": plan,
+                         "head_kernel": head_kernel(loaded)}
 
     def __len__(self) -> int:
         return len(self.records)
@@ -210,21 +249,23 @@ class TargetFeatures:
                       last_hidden=f["last_hidden"].clone(), lse=f["lse"].clone())
 
 
-def target_features(data: str, model: str | None, dtype: str, taps: str | None) -> TargetFeatures:
+def target_features(data: str, model: str | None, dtype: str, taps: str | None, plan: str = "served") -> TargetFeatures:
     """`dspark train --data`: datagen files or packs (comma-separated, mixed in order) with the
     target loaded as `dspark features` loads it, tapped at `taps` (default: DeepSpec's spacing)."""
-    from verispec.models.loader import load_model, resolve_dtype
-    from verispec.models.registry import DEFAULT_MODEL
-
     lists = []
     for path in data.split(","):
         records = read_records(Path(path))
         if not records:
             raise UserError(f"{path}: no datagen records with answers (run `verispec dspark datagen` first)")
         lists.append(records)
-    loaded = load_model(model or DEFAULT_MODEL, dtype=resolve_dtype(dtype))
+    loaded = load_target(model, dtype, plan)
     chosen = [int(t) for t in taps.split(",")] if taps else default_taps(loaded.model.args.num_layers)
-    return TargetFeatures(lists, loaded, chosen)
+    return TargetFeatures(lists, loaded, chosen, plan)
+
+
+def _target_as(manifest: dict) -> tuple[str, str]:
+    """(plan, head kernel) a features folder was computed with (folders before --plan: PyTorch's)."""
+    return manifest.get("plan", "dtype"), manifest.get("head_kernel", "aten")
 
 
 class FeatureCache:
@@ -244,6 +285,9 @@ class FeatureCache:
             if self.manifest is not None and (manifest["target_layer_ids"] != self.manifest["target_layer_ids"]
                                               or manifest["target"] != self.manifest["target"]):
                 raise UserError(f"{folder} holds features of another target or other taps than {folders[0]}")
+            if self.manifest is not None and _target_as(manifest) != _target_as(self.manifest):
+                raise UserError(f"{folder} holds features of the target as {_target_as(manifest)}, {folders[0]} as "
+                                f"{_target_as(self.manifest)}: recompute one of them with the other's --plan")
             self.manifest = self.manifest or manifest
             first = len(self.index)
             for shard in manifest["shards"]:

@@ -397,7 +397,7 @@ def setup(args) -> TrainRun:
     if args.features:
         cache = FeatureCache([Path(f) for f in args.features.split(",")])
     else:
-        cache = target_features(args.data, args.model, args.dtype, args.taps)
+        cache = target_features(args.data, args.model, args.dtype, args.taps, getattr(args, "plan", "served"))
     manifest = cache.manifest
     out = Path(args.out)
     if world.main:
@@ -462,6 +462,7 @@ def setup(args) -> TrainRun:
     target_head = torch.nn.Linear(config.args.hidden_size, drafter.lm_head.out_features, bias=False)
     target_head.weight.data.copy_(drafter.lm_head.weight)  # the target's own (frozen) head rows
     target_head.requires_grad_(False)
+    target_head = served_target_head(target_head, manifest.get("head_kernel", "aten"))
 
     view = TrainingView(drafter)
     if world.dist is not None:
@@ -628,6 +629,47 @@ def _record(step, epoch, lr, grad_norm, totals, world, tokens, seconds) -> dict:
     return {"step": step, "epoch": epoch, "lr": lr, "loss": 0.1 * ce + 0.9 * l1 + conf, "ce": ce, "l1": l1,
             "confidence": conf, "accept_by_position": accept, "grad_norm": grad_norm, "tokens": tokens,
             "seconds": seconds}
+
+
+class _Int8Head(torch.nn.Module):
+    """The target's head rows in a GGUF block format times int8-rounded activations: the
+    served lm_head's kernel (kernels/qlinear.cpp `qlinear16`) on the draft vocabulary's rows.
+    Each output column is computed alone, so these are the served logits of those tokens,
+    bit for bit, and with the served logsumexp they are the served log-probabilities."""
+
+    def __init__(self, blocks: torch.Tensor, fmt: str, out_features: int):
+        super().__init__()
+        self.blocks, self.fmt, self.out_features = blocks, fmt, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from verispec import kernels
+
+        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+        with torch.no_grad():
+            y = kernels.load().qlinear16(rows, self.blocks, None, kernels.FORMATS[self.fmt], self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def served_target_head(head: torch.nn.Linear, kernel: str) -> torch.nn.Module:
+    """The head that scores the target's draft-vocabulary logits in training: the served
+    head's int8 kernel where the features came from a served q8_0 / q4_1 head with int8
+    activations (features.py: their logsumexp is that head's), else the float head. The
+    weights must be exact in that format (the plan served them so: models/kernel_plan.py)."""
+    base = kernel.split(":")[0]
+    if not base.endswith("-i8"):
+        return head
+    from verispec.models.linear import kernel_runs
+    from verispec.models.quant import dequantize, interleave16_blocks, quantize
+
+    fmt = base.removesuffix("-i8")
+    if not kernel_runs(base, torch.float32):
+        raise UserError(f"these features' target head ran {base}, which this CPU cannot run; train where they were "
+                        "computed, or recompute them here")
+    weight = head.weight.detach().float()
+    blocks = quantize(weight, fmt)
+    if not torch.equal(dequantize(blocks, fmt, weight.shape[1]), weight):
+        raise UserError(f"the target's head rows are not exact in {fmt}, though its served head ran {base}")
+    return _Int8Head(interleave16_blocks(blocks, fmt), fmt, head.out_features)
 
 
 def _latest(out: Path) -> Path | None:
