@@ -549,7 +549,13 @@ def test_a_features_folder_holds_one_kind_of_target(features, tmp_path, capsys):
     assert "--plan served" in capsys.readouterr().err
     other = tmp_path / "pytorch-features"
     assert main([*common, "--out", str(other), "--plan", "dtype"]) == 0
-    assert json.loads((other / "manifest.json").read_text())["plan"] == "dtype"
+    manifest = json.loads((other / "manifest.json").read_text())
+    assert manifest["plan"] == "dtype"
+    for key in ("plan", "head_kernel", "dtype"):  # a folder made before --plan existed: PyTorch's kernels
+        del manifest[key]
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    assert main([*common, "--out", str(other), "--plan", "dtype"]) == 0  # continued (here: already complete)
+    assert main([*common, "--out", str(other)]) != 0  # not with the served target
     assert main(["dspark", "train", "--features", f"{features},{other}", "--out", str(tmp_path / "run"), *TRAIN,
                  "--steps", "1"]) != 0
     assert "recompute one of them" in capsys.readouterr().err

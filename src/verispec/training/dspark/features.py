@@ -170,11 +170,9 @@ def run_features(args) -> int:
     if manifest["target_layer_ids"] != taps or manifest["hidden_size"] != args_m.hidden_size:
         raise UserError(f"{out} holds features for taps {manifest['target_layer_ids']} of another target or tap set; "
                         "use a new --out folder")
-    if manifest.get("plan", "dtype") != plan or manifest.get("head_kernel", "aten") != served["head_kernel"]:
-        raise UserError(f"{out} holds features of the target as {manifest.get('plan', 'dtype')} "
-                        f"(head {manifest.get('head_kernel', 'aten')}), not {plan} (head {served['head_kernel']}): "
-                        "a folder holds one kind; use a new --out folder or --plan "
-                        f"{manifest.get('plan', 'dtype')}")
+    if _target_as(manifest) != _target_as(served):
+        raise UserError(f"{out} holds features of the target as {_target_as(manifest)}, not {_target_as(served)}: "
+                        f"a folder holds one kind; use a new --out folder or --plan {_target_as(manifest)[0]}")
     start = manifest["records"]
     todo = records[start:]
     print(f"features: {start} of {len(records)} records already in {out}; taps {taps}", file=sys.stderr)
@@ -264,8 +262,10 @@ def target_features(data: str, model: str | None, dtype: str, taps: str | None, 
 
 
 def _target_as(manifest: dict) -> tuple[str, str]:
-    """(plan, head kernel) a features folder was computed with (folders before --plan: PyTorch's)."""
-    return manifest.get("plan", "dtype"), manifest.get("head_kernel", "aten")
+    """(plan, head) a features folder was computed with: the served head's kernel, or "float"
+    for PyTorch's kernels (folders made before --plan are those)."""
+    plan = manifest.get("plan", "dtype")
+    return plan, manifest.get("head_kernel", "aten") if plan == "served" else "float"
 
 
 class FeatureCache:
