@@ -32,16 +32,20 @@ def row_bytes(fmt: str, k: int) -> int:
     return k // BLOCK * FORMAT_BYTES[fmt]
 
 
+def _bf16_rows_padded(weight: torch.Tensor, multiple: int) -> torch.Tensor:
+    """[N, K] as bf16 with zero rows added up to a multiple of `multiple` (whole column tiles)."""
+    w = weight.detach().to(torch.bfloat16)
+    pad = (-w.shape[0]) % multiple
+    return torch.cat([w, torch.zeros(pad, w.shape[1], dtype=torch.bfloat16)]) if pad else w
+
+
 def interleave4(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] bf16 -> uint8 in the bf16dot kernel's layout: columns in tiles of four (N
     padded with zero rows to a multiple of 4), each tile stored block by block (32
     values of column 0, of column 1, 2, 3, then the next block), so four columns are
     read strictly in memory order."""
-    n, k = weight.shape
-    pad = (-n) % 4
-    w = weight.detach().to(torch.bfloat16)
-    if pad:
-        w = torch.cat([w, torch.zeros(pad, k, dtype=torch.bfloat16)])
+    k = weight.shape[1]
+    w = _bf16_rows_padded(weight, 4)
     tiles = w.reshape(-1, 4, k // BLOCK, BLOCK).permute(0, 2, 1, 3).contiguous()
     return tiles.view(torch.uint8).reshape(-1)
 
@@ -50,11 +54,8 @@ def interleave16_bf16(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] bf16 -> uint8 in the bf16cols kernel's layout: columns in tiles of sixteen (N
     padded with zero rows to a multiple of 16), each tile stored k by k (the sixteen
     columns' weights at k, then at k + 1), so one 32-byte load gives a tile's weights at k."""
-    n, k = weight.shape
-    pad = (-n) % 16
-    w = weight.detach().to(torch.bfloat16)
-    if pad:
-        w = torch.cat([w, torch.zeros(pad, k, dtype=torch.bfloat16)])
+    k = weight.shape[1]
+    w = _bf16_rows_padded(weight, 16)
     return w.reshape(-1, 16, k).transpose(1, 2).contiguous().view(torch.uint8).reshape(-1)
 
 
@@ -68,13 +69,10 @@ def interleave_amx(weight: torch.Tensor) -> torch.Tensor:
     padded with zero rows to a multiple of 64), each group stored K block by K block as
     four 16-column tiles; tile row p holds, for each of its columns, the block's values
     at 2p and 2p + 1 (AMX's pair layout for the weight operand)."""
-    n, k = weight.shape
+    k = weight.shape[1]
     if k % BLOCK:
         raise ValueError(f"the AMX layout needs inputs in blocks of {BLOCK}, got {k}")
-    pad = (-n) % 64
-    w = weight.detach().to(torch.bfloat16)
-    if pad:
-        w = torch.cat([w, torch.zeros(pad, k, dtype=torch.bfloat16)])
+    w = _bf16_rows_padded(weight, 64)
     # [group, tile, column, block, pair, 2] -> [group, block, tile, pair, column, 2]
     groups = w.reshape(-1, 4, 16, k // BLOCK, BLOCK // 2, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
     return groups.view(torch.uint8).reshape(-1)

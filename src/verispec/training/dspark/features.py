@@ -160,8 +160,8 @@ def run_features(args) -> int:
     loaded = load_target(args.model, args.dtype, plan)
     args_m = loaded.model.args
     taps = [int(t) for t in args.taps.split(",")] if args.taps else default_taps(args_m.num_layers)
-    served = {"plan": plan, "head_kernel": head_kernel(loaded), "dtype": str(loaded.model.dtype).removeprefix("torch.")}
-    manifest = load_manifest(out) or {**served,
+    kind = {"plan": plan, "head_kernel": head_kernel(loaded), "dtype": str(loaded.model.dtype).removeprefix("torch.")}
+    manifest = load_manifest(out) or {**kind,
         "version": VERSION, "target": str(loaded.folder), "target_name": loaded.name, "target_layer_ids": taps,
         "hidden_size": args_m.hidden_size, "num_target_layers": args_m.num_layers, "vocab_size": args_m.vocab_size,
         "data": str(Path(args.data).resolve()), "shard_size": args.shard_size, "shards": [], "records": 0,
@@ -170,8 +170,8 @@ def run_features(args) -> int:
     if manifest["target_layer_ids"] != taps or manifest["hidden_size"] != args_m.hidden_size:
         raise UserError(f"{out} holds features for taps {manifest['target_layer_ids']} of another target or tap set; "
                         "use a new --out folder")
-    if _target_as(manifest) != _target_as(served):
-        raise UserError(f"{out} holds features of the target as {_target_as(manifest)}, not {_target_as(served)}: "
+    if _target_as(manifest) != _target_as(kind):
+        raise UserError(f"{out} holds features of the target as {_target_as(manifest)}, not {_target_as(kind)}: "
                         f"a folder holds one kind; use a new --out folder or --plan {_target_as(manifest)[0]}")
     start = manifest["records"]
     todo = records[start:]
@@ -219,7 +219,7 @@ class TargetFeatures:
     teacher-forced target forward per access, nothing on disk. Same interface as FeatureCache
     (len, [i], answer_tokens, manifest, folder_ranges); several record lists are mixed in order."""
 
-    def __init__(self, record_lists: list[list[dict]], loaded, taps: list[int], plan: str = "dtype"):
+    def __init__(self, record_lists: list[list[dict]], loaded, taps: list[int], plan: str):
         args_m = loaded.model.args
         self.model, self.taps = loaded.model, taps
         self.records = [r for records in record_lists for r in records]

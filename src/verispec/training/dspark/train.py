@@ -635,7 +635,9 @@ class _Int8Head(torch.nn.Module):
     """The target's head rows in a GGUF block format times int8-rounded activations: the
     served lm_head's kernel (kernels/qlinear.cpp `qlinear16`) on the draft vocabulary's rows.
     Each output column is computed alone, so these are the served logits of those tokens,
-    bit for bit, and with the served logsumexp they are the served log-probabilities."""
+    bit for bit, and with the served logsumexp they are the served log-probabilities. Not
+    drafting/dspark/packing.py's Int8Linear: that one is q8_0 only and returns the input's
+    dtype (bf16 under autocast), which would round these logits."""
 
     def __init__(self, blocks: torch.Tensor, fmt: str, out_features: int):
         super().__init__()
