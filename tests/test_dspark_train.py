@@ -218,7 +218,7 @@ def _free_port() -> int:
     return free_port()
 
 
-def test_calibrate_writes_thresholds_and_measure_reports(tmp_path):
+def test_calibrate_writes_thresholds_and_measure_reports(tmp_path, monkeypatch):
     """On the fixture: calibrate fits one threshold per position from live rounds and writes
     them into the checkpoint's config (which then loads with them); measure writes its table,
     plots and JSON, tau within (1, gamma + 1] and the acceptance a probability."""
@@ -288,6 +288,17 @@ def test_calibrate_writes_thresholds_and_measure_reports(tmp_path):
     assert 0 < composite["asked"]["dspark"] <= composite["rows"] == composite["asked"]["ngram"]
     assert measured["target"] == {"dtype": "float32", "plan": plan_summary(load_for_serving(target, "float32"))}
     assert measured["target"]["plan"] != "PyTorch kernels"
+    # --against: a second drafter on the same prompts in the same run. The same drafter against
+    # itself at T=0 keeps exactly the same tokens per round (unpacked, so neither load's timed
+    # int8 choice can flip a near-tie), and the report names it
+    monkeypatch.setenv("VERISPEC_NO_PACK", "1")
+    out = tmp_path / "against"
+    assert main(["dspark", "measure", "--drafter", str(drafter), "-m", target, "--eval-dir", str(evals), "--datasets",
+                 "gsm8k", "--per-dataset", "2", "--max-tokens", "24", "--dtype", "float32", "--quiet",
+                 "--temperatures", "0", "--against", str(drafter), "--out", str(out)]) == 0
+    (row,) = json.loads((out / "measure.json").read_text())["rows"]
+    assert row["against_tau"] == row["tau"] > 1.0 and row["against_tok_s"] > 0
+    assert f"against {drafter.name} tau" in (out / "report.md").read_text()
 
     # the threshold rule itself: thin evidence never cuts, a clearly bad region does
     assert fit_threshold([(0.1, False)] * 3, target=0.5, min_evidence=5) == 0.0

@@ -224,6 +224,10 @@ a whole run for the default model (each command can be stopped and rerun; README
                     help="also decode every prompt with the composite of this drafter and n-gram lookup "
                          "(`--speculate composite`: the lookup first, the drafter only where it is expected to gain "
                          "more; same policy)")
+    me.add_argument("--against", default=None, metavar="DRAFTER",
+                    help="also decode every prompt with this other DSpark drafter (a folder or a shipped name), "
+                         "interleaved in the same run under the same policy: is a retrained drafter better than the "
+                         "shipped one? Speedups compare within one run only")
     me.add_argument("--out", default=None,
                     help="report folder (default: the drafter's; ./dspark-measure/NAME for a shipped drafter)")
     _target_options(me)

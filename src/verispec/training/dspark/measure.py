@@ -12,6 +12,13 @@ decode tok/s of both (tokens after the first / time after the first, one request
 with their ratio; a markdown table (report.md) and PNG plots
 (acceptance by position, tau by dataset). These prompts are for measuring only.
 
+References decoded in the same run, interleaved prompt by prompt under the same policy:
+n-gram lookup (`--with-ngram`), the composite of this drafter and the lookup
+(`--with-composite`), and another DSpark drafter (`--against`, e.g. the shipped one when
+deciding whether a retrained drafter replaces it: runs apart drift by 10-20% in plain
+tok/s on a shared VM, so only speedups within one run compare). At temperature 0 a
+drafter measured against itself keeps the same tau by position (tests/test_dspark_train.py).
+
 The target runs the plan `verispec serve` runs (`load_for_serving`: the kernels and weight
 formats measured for this machine, `--kernels`/`--quant`/`--dtype` as serve takes them) and the
 drafter serve's dtype, so the speedups are the ones a served request gets. This stage ran
@@ -80,6 +87,11 @@ def run_measure(args) -> int:
 
         composite = CompositeProvider([DSparkProvider(drafter), NgramProvider()])
         references["composite"] = make_engine(loaded, composite, **policy)
+    if getattr(args, "against", None):  # another drafter (the shipped one, say) on the same prompts, same policy
+        other = load_dspark(named_drafter(args.against, "--against"), target=loaded, dtype=drafter_dtype(args.dtype),
+                            int8="auto")
+        references["against"] = make_engine(loaded, DSparkProvider(other),
+                                            **{**policy, "num_draft_tokens": other.block_size})
     temperatures = [float(t) for t in args.temperatures.split(",")]
     datasets = args.datasets.split(",")
     rows = []
@@ -131,6 +143,8 @@ def run_measure(args) -> int:
               "verify_schedule": policy["verify_schedule"], "fixed_draft": bool(args.fixed_draft)}
     if composite is not None:  # how often the composite paid for the drafter's round, and whose drafts it verified
         target["composite"] = composite.stats()
+    if "against" in references:
+        target["against"] = str(args.against)
     report = _markdown(rows, summary, args, g, target, list(references))
     out = report_folder(args.drafter, args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -178,10 +192,14 @@ class _Tally:
 REFERENCE_LABELS = {"ngram": "n-gram", "composite": "composite"}
 
 
+def _label(arm: str, target: dict) -> str:
+    return f"against {Path(target['against']).name}" if arm == "against" else REFERENCE_LABELS[arm]
+
+
 def _markdown(rows, summary, args, g, target: dict, references: list[str]) -> str:
     policy = ("full proposals every round" if args.fixed_draft else "the cost-based draft length") + \
         f", verify schedule {target['verify_schedule']}"
-    labels = [REFERENCE_LABELS[a] for a in references]
+    labels = [_label(a, target) for a in references]
     lines = [f"DSpark drafter {args.drafter}: {args.per_dataset} prompts per dataset, max_tokens {args.max_tokens}, "
              f"one request at a time, plain and DSpark interleaved in the same run, {policy}; the target as served "
              f"({target['dtype']}, {target['plan']})", "",
@@ -196,7 +214,7 @@ def _markdown(rows, summary, args, g, target: dict, references: list[str]) -> st
         lines.append(line)
     lines.append("")
     for t, s in summary.items():
-        others = ", ".join(f"{REFERENCE_LABELS[a]} {s[f'{a}_speedup_macro']:.2f}x" for a in references)
+        others = ", ".join(f"{_label(a, target)} {s[f'{a}_speedup_macro']:.2f}x" for a in references)
         lines.append(f"T={float(t):g}: macro tau {s['tau_macro']:.2f}, macro speedup {s['speedup_macro']:.2f}x"
                      + (f" ({others})" if others else ""))
     if "composite" in target:
