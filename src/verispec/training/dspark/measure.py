@@ -16,8 +16,9 @@ References decoded in the same run, interleaved prompt by prompt under the same 
 n-gram lookup (`--with-ngram`), the composite of this drafter and the lookup
 (`--with-composite`), and another DSpark drafter (`--against`, e.g. the shipped one when
 deciding whether a retrained drafter replaces it: runs apart drift by 10-20% in plain
-tok/s on a shared VM, so only speedups within one run compare). At temperature 0 a
-drafter measured against itself keeps the same tau by position (tests/test_dspark_train.py).
+tok/s on a shared VM, so only speedups within one run compare). At temperature 0 an
+unpacked drafter measured against itself keeps the same tau (tests/test_dspark_train.py;
+packed, each load times its own int8 choice, which can flip near-ties).
 
 The target runs the plan `verispec serve` runs (`load_for_serving`: the kernels and weight
 formats measured for this machine, `--kernels`/`--quant`/`--dtype` as serve takes them) and the
