@@ -70,8 +70,10 @@ def run_measure(args) -> int:
         raise UserError("no eval prompts found: pass --eval-dir (a folder of mt-bench.jsonl, gsm8k.jsonl, ...)")
     loaded = load_for_serving(args.model or DEFAULT_MODEL, args.dtype, args.kernels, args.quant,
                               progress=not args.quiet)
-    drafter = load_dspark(named_drafter(args.drafter, "--drafter"), target=loaded, dtype=drafter_dtype(args.dtype),
-                          int8="auto")  # as served
+    def served_drafter(spec: str, flag: str):  # both arms load the way `verispec serve` does, so they cannot drift
+        return load_dspark(named_drafter(spec, flag), target=loaded, dtype=drafter_dtype(args.dtype), int8="auto")
+
+    drafter = served_drafter(args.drafter, "--drafter")
     g = drafter.block_size
     plain = make_engine(loaded)
     policy = {"adaptive": not args.fixed_draft, "num_draft_tokens": g,
@@ -89,8 +91,7 @@ def run_measure(args) -> int:
         composite = CompositeProvider([DSparkProvider(drafter), NgramProvider()])
         references["composite"] = make_engine(loaded, composite, **policy)
     if getattr(args, "against", None):  # another drafter (the shipped one, say) on the same prompts, same policy
-        other = load_dspark(named_drafter(args.against, "--against"), target=loaded, dtype=drafter_dtype(args.dtype),
-                            int8="auto")
+        other = served_drafter(args.against, "--against")
         references["against"] = make_engine(loaded, DSparkProvider(other),
                                             **{**policy, "num_draft_tokens": other.block_size})
     temperatures = [float(t) for t in args.temperatures.split(",")]
