@@ -149,8 +149,8 @@ class DraftProvider:
         return 0.0, 0.0
 
     def sampled_draft_costs(self, target_costs) -> tuple[float, float] | None:
-        """`draft_costs` for a sampled row's round where it differs (None: the same); only a
-        composite, which weighs each row's round, asks."""
+        """`draft_costs` for a sampled row's round where it differs (None: the same): the
+        draft length policy charges it to sampled rows, a composite weighs it per row."""
         return None
 
     def served_round_seconds(self, greedy: bool) -> float | None:

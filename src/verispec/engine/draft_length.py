@@ -13,7 +13,8 @@ A row whose drafts are accepted with probability `a` each (given the ones before
 emits E(k) = (1 - a^(k+1)) / (1 - a) tokens per step with k drafts. The step costs more:
 the target forward grows from the batch's `n` decode tokens to n + k (the SPS table of
 engine/step_costs.py, measured once per machine and cached), plus whatever producing the drafts costs
-(`draft_cost_fixed` per drafting round, as a DSpark backbone pass, and
+(`draft_cost_fixed` per drafting round, as a DSpark backbone pass, a sampled row's own
+price where the provider times its rounds apart, `sampled_draft_costs`, and
 `draft_cost_per_token`, as a draft model's forwards; in single-token target steps; 0 for
 n-gram lookup), and that slows down every row of the batch. The policy picks the k that maximizes the step's
 throughput, (n - 1 + E(k)) / n / slowdown(k), and drafts nothing when no k beats plain
@@ -83,18 +84,22 @@ class CostPolicy:
         self.draft_fixed = draft_cost_fixed  # a round that drafts at all (a DSpark backbone pass)
         self.draft_per_token = draft_cost_per_token  # each drafted token (a draft model's forward)
 
-    def choose(self, estimate: AcceptanceEstimate, batch_tokens: int, limit: int) -> int:
+    def choose(self, estimate: AcceptanceEstimate, batch_tokens: int, limit: int,
+               draft_fixed: float | None = None) -> int:
         """Drafts for one row, given the step's other decode tokens (`batch_tokens`,
-        this row's pending token included) and the most the row may take (`limit`)."""
+        this row's pending token included) and the most the row may take (`limit`);
+        `draft_fixed`: this round's price where it differs from the policy's own (a sampled
+        row's, or what served rounds have cost lately: `DraftLength`)."""
         limit = min(limit, self.max_draft)
         if limit <= 0:
             return 0
         a = estimate.rate
         base = self.costs(batch_tokens)
+        fixed = self.draft_fixed if draft_fixed is None else draft_fixed
         best_k, best = 0, 1.0
         for k in range(1, limit + 1):
             # the whole step's throughput: this row's extra tokens slow every row down
-            slowdown = (self.costs(batch_tokens + k) + self.draft_fixed + self.draft_per_token * k) / base
+            slowdown = (self.costs(batch_tokens + k) + fixed + self.draft_per_token * k) / base
             value = (batch_tokens - 1 + expected_tokens(a, k)) / batch_tokens / slowdown
             if value > best:
                 best_k, best = k, value
@@ -112,11 +117,17 @@ class CostPolicy:
 
 class DraftLength:
     def __init__(self, cap: int, provider_max: int, costs: StepCosts | None = None, adaptive: bool = True,
-                 draft_costs: tuple[float, float] = (0.0, 0.0), ask_all: bool = False):
+                 draft_costs: tuple[float, float] = (0.0, 0.0), ask_all: bool = False,
+                 sampled_round: float | None = None):
         self.cap = cap  # the engine's --num-draft-tokens: forced drafts too
         self.max_draft = max(0, min(cap, provider_max))  # what the provider may be asked for
         self.adaptive = adaptive and costs is not None
         self.policy = CostPolicy(self.max_draft, costs or StepCosts.flat(), *draft_costs)
+        # a sampled row's round can cost more than a greedy one's (`sampled_round`, in
+        # single-token steps: a DSpark round on gemma3-270m draws and keeps q per slot, 7-8
+        # ms against 3.5); charged the greedy price, DSpark alone drafted where it lost, 0.92x
+        # plain at T=1 on gemma3 (stage 24 of docs/dspark-campaign.md)
+        self.sampled_round = sampled_round
         # under the verify scheduler (engine/verify_schedule.py) a row asks for its whole
         # allowance and the scheduler chooses how many to verify; a source whose drafting
         # costs (a DSpark pass, a draft model) still drafts only where the policy says it pays
@@ -152,5 +163,5 @@ class DraftLength:
             estimate.idle_steps = 0
             estimate.probe_every = min(2 * estimate.probe_every, MAX_PROBE_EVERY)
             return limit
-        k = self.policy.choose(estimate, batch_tokens, limit)
+        k = self.policy.choose(estimate, batch_tokens, limit, None if row.params.is_greedy else self.sampled_round)
         return limit if self.ask_all and k > 0 else k

@@ -175,9 +175,11 @@ class Engine:
                             "cost more than two forwards: %s); other work on this machine? It serves this run "
                             "and is not cached", info["attempts"], info["implausible"][:3])
         costs = self.step_costs
+        priced = costs is not None and drafter is not None
+        sampled = provider.sampled_draft_costs(costs) if priced else None
         length = DraftLength(self.config.num_draft_tokens, provider.max_draft, costs, adaptive,
-                             provider.draft_costs(costs) if costs is not None and drafter is not None else (0.0, 0.0),
-                             ask_all=scheduled)
+                             provider.draft_costs(costs) if priced else (0.0, 0.0), ask_all=scheduled,
+                             sampled_round=None if sampled is None else sampled[0])
         schedule = VerifySchedule(self.config.verify_schedule, costs.sps) if scheduled else None
         return Drafting(provider, length, self.config.forced_drafts, schedule, self.config.recalibrate_heads)
 
