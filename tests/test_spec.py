@@ -234,8 +234,9 @@ def test_policy_drafts_what_pays_and_probes_when_idle():
 def test_a_sampled_row_is_charged_its_own_round_price(family):
     """A sampled row's drafting round can cost more than a greedy one's (a DSpark round draws
     and keeps q per slot: 7-8 ms against 3.5 on gemma3-270m). The policy charges each row its
-    own price: the same acceptance that pays for a cheap greedy round does not pay for a dear
-    sampled one, and the engine hands the provider's sampled price to the policy."""
+    own price (served sampled rounds' mean once timed): the same acceptance that pays for a
+    cheap greedy round does not pay for a dear sampled one, and the engine hands the
+    provider's prices to the policy."""
     from types import SimpleNamespace
 
     cpu_like = StepCosts({1: 1.0, 2: 1.15, 4: 1.21, 8: 1.33, 16: 1.62, 32: 2.2})
@@ -249,6 +250,11 @@ def test_a_sampled_row_is_charged_its_own_round_price(family):
     assert length.for_row(row(SamplingParams(temperature=1.0)), batch_tokens=1) == 0, "... not for one of 0.6"
     unpriced = DraftLength(8, 7, cpu_like, draft_costs=(0.15, 0.0))
     assert unpriced.for_row(row(SamplingParams(temperature=1.0)), batch_tokens=1) > 0, "no sampled price: the greedy one"
+    # once served sampled rounds are timed, their mean is the price, not the start-up timing
+    served = DraftLength(8, 7, cpu_like, draft_costs=(0.15, 0.0), sampled_round=0.1,
+                         served_round=lambda greedy: None if greedy else 0.6 * cpu_like.base_seconds)
+    assert served.for_row(row(SamplingParams(temperature=1.0)), batch_tokens=1) == 0
+    assert served.for_row(row(SamplingParams()), batch_tokens=1) > 0, "a greedy row keeps the greedy price"
 
     class PricedLookup(NgramProvider):
         def draft_costs(self, target_costs):
@@ -262,6 +268,47 @@ def test_a_sampled_row_is_charged_its_own_round_price(family):
                     drafter=PricedLookup())
     assert engine.drafting.length.sampled_round == 0.7
     assert engine.drafting.length.policy.draft_fixed == 0.1
+    assert engine.drafting.length.sampled_price() == 0.7, "no served rounds timed yet: the start-up price"
+
+
+def test_a_paid_source_that_proposes_nothing_stops_being_asked(family, monkeypatch):
+    """A paid round that comes back empty (a DSpark drafter's confidence cut at its first
+    slot) cost its price for nothing; the row's estimate counts it as a draft rejected at
+    once, so a source that never proposes is soon asked only as a probe. Uncounted, the
+    estimate stayed at its prior and the round was paid every step."""
+    from verispec.engine import engine as engine_module
+    from verispec.engine.draft import Draft, DraftProvider, DraftSource
+
+    class Silent(DraftSource):
+        def draft(self, pending, max_n):
+            return Draft()
+
+    class PaidAndSilent(DraftProvider):
+        name = "silent"
+        max_draft = 7
+        asked = 0
+
+        def new_source(self, context):
+            return Silent()
+
+        def draft_costs(self, target_costs):
+            return 0.5, 0.0
+
+        def draft_batch(self, requests):
+            self.asked += sum(1 for _, _, n in requests if n > 0)
+            return [Draft() for _ in requests]
+
+    # flat step costs: at the prior acceptance (0.5) a round of 0.5 steps pays for 7 drafts
+    monkeypatch.setattr(engine_module, "step_costs_for", lambda model: (StepCosts.flat(), {}))
+    _, target, _ = family
+    provider = PaidAndSilent()
+    engine = Engine(target, CharTokenizer(), stop_ids=(), drafter=provider,
+                    config=EngineConfig(kv_budget=2**30, adaptive_draft=True, num_draft_tokens=7))
+    collector = Collector()
+    engine.submit(GenerationRequest([5, 6, 7, 8], 60, SamplingParams()), collector)
+    engine.run_until_idle()
+    assert collector.result(0).completion_tokens == 60
+    assert 0 < provider.asked <= 12, f"asked {provider.asked} times in 59 decode steps"
 
 
 def test_a_stop_string_inside_an_accepted_burst_ends_the_output_there(tmp_path):

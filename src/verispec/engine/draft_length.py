@@ -118,16 +118,21 @@ class CostPolicy:
 class DraftLength:
     def __init__(self, cap: int, provider_max: int, costs: StepCosts | None = None, adaptive: bool = True,
                  draft_costs: tuple[float, float] = (0.0, 0.0), ask_all: bool = False,
-                 sampled_round: float | None = None):
+                 sampled_round: float | None = None, served_round=None):
         self.cap = cap  # the engine's --num-draft-tokens: forced drafts too
         self.max_draft = max(0, min(cap, provider_max))  # what the provider may be asked for
         self.adaptive = adaptive and costs is not None
         self.policy = CostPolicy(self.max_draft, costs or StepCosts.flat(), *draft_costs)
-        # a sampled row's round can cost more than a greedy one's (`sampled_round`, in
-        # single-token steps: a DSpark round on gemma3-270m draws and keeps q per slot, 7-8
-        # ms against 3.5); charged the greedy price, DSpark alone drafted where it lost, 0.92x
-        # plain at T=1 on gemma3 (stage 24 of docs/dspark-campaign.md)
+        # a sampled row's round can cost more than a greedy one's (a DSpark round on
+        # gemma3-270m draws and keeps q per slot, 7-8 ms with Gemma's top-k and top-p against
+        # 3.5): `sampled_round` (single-token steps, timed at start without the request's
+        # warpers), then, once the provider has timed served rounds with a sampled row
+        # (`served_round(greedy) -> seconds or None`, DraftProvider.served_round_seconds),
+        # their running mean. Charged the greedy price, DSpark alone drafted where it lost,
+        # 0.92x plain at T=1 on gemma3 (stage 24 of docs/dspark-campaign.md).
         self.sampled_round = sampled_round
+        self.served_round = served_round
+        self.base_seconds = (costs or StepCosts.flat()).base_seconds
         # under the verify scheduler (engine/verify_schedule.py) a row asks for its whole
         # allowance and the scheduler chooses how many to verify; a source whose drafting
         # costs (a DSpark pass, a draft model) still drafts only where the policy says it pays
@@ -163,5 +168,10 @@ class DraftLength:
             estimate.idle_steps = 0
             estimate.probe_every = min(2 * estimate.probe_every, MAX_PROBE_EVERY)
             return limit
-        k = self.policy.choose(estimate, batch_tokens, limit, None if row.params.is_greedy else self.sampled_round)
+        k = self.policy.choose(estimate, batch_tokens, limit, None if row.params.is_greedy else self.sampled_price())
         return limit if self.ask_all and k > 0 else k
+
+    def sampled_price(self) -> float | None:
+        """A sampled row's round, in single-token steps (None: the greedy price)."""
+        served = self.served_round(False) if self.served_round is not None else None
+        return served / self.base_seconds if served is not None else self.sampled_round

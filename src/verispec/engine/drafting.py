@@ -120,7 +120,14 @@ class Drafting:
             if forced is not None:
                 out.append(forced)
             elif k > 0:
-                out.append(self._checked(row, next(proposed), k))
+                draft = self._checked(row, next(proposed), k)
+                if not draft.tokens and not self.length.free_drafts and row.draft_stats is not None:
+                    # a paid round that proposed nothing (a DSpark drafter's confidence cut at
+                    # its first slot: 15% of gemma3's rounds at T=1) cost its price for no
+                    # token; counted as a draft rejected at once, the policy's estimate of what
+                    # a round yields includes it (commit never sees an empty draft)
+                    row.draft_stats.estimate.update(1, 0)
+                out.append(draft)
             else:
                 out.append(Draft())
         if self.schedule is not None:

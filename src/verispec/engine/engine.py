@@ -179,7 +179,8 @@ class Engine:
         sampled = provider.sampled_draft_costs(costs) if priced else None
         length = DraftLength(self.config.num_draft_tokens, provider.max_draft, costs, adaptive,
                              provider.draft_costs(costs) if priced else (0.0, 0.0), ask_all=scheduled,
-                             sampled_round=None if sampled is None else sampled[0])
+                             sampled_round=None if sampled is None else sampled[0],
+                             served_round=provider.served_round_seconds if priced else None)
         schedule = VerifySchedule(self.config.verify_schedule, costs.sps) if scheduled else None
         return Drafting(provider, length, self.config.forced_drafts, schedule, self.config.recalibrate_heads)
 
