@@ -160,7 +160,8 @@ REGISTRY: dict[str, CatalogEntry] = {
         # 1-16 streams, AMD EPYC, 2026-12-05 (campaign stage 14): n-gram 1.085x no speculation,
         # the composite with the shipped DSpark drafter 1.064x, the drafter alone 0.979x (README,
         # "Speculation by default"); stage 17, Intel AMX, means of 3 runs a cell: n-gram 1.210x,
-        # the composite 1.211x (a tie: the cheaper source stays)
+        # the composite 1.211x (a tie: the cheaper source stays); stage 24, a 2-core Xeon without
+        # AMX, stage 23's drafter, means of 2 runs: n-gram 1.216x, the composite 1.205x (a tie)
         speculation="ngram",
     ),
 }
