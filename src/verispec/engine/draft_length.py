@@ -132,7 +132,6 @@ class DraftLength:
         # 0.92x plain at T=1 on gemma3 (stage 24 of docs/dspark-campaign.md).
         self.sampled_round = sampled_round
         self.served_round = served_round
-        self.base_seconds = (costs or StepCosts.flat()).base_seconds
         # under the verify scheduler (engine/verify_schedule.py) a row asks for its whole
         # allowance and the scheduler chooses how many to verify; a source whose drafting
         # costs (a DSpark pass, a draft model) still drafts only where the policy says it pays
@@ -174,4 +173,4 @@ class DraftLength:
     def sampled_price(self) -> float | None:
         """A sampled row's round, in single-token steps (None: the greedy price)."""
         served = self.served_round(False) if self.served_round is not None else None
-        return served / self.base_seconds if served is not None else self.sampled_round
+        return served / self.policy.costs.base_seconds if served is not None else self.sampled_round

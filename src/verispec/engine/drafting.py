@@ -121,7 +121,7 @@ class Drafting:
                 out.append(forced)
             elif k > 0:
                 draft = self._checked(row, next(proposed), k)
-                if not draft.tokens and not self.length.free_drafts and row.draft_stats is not None:
+                if not draft.tokens and not self.length.free_drafts:
                     # a paid round that proposed nothing (a DSpark drafter's confidence cut at
                     # its first slot: 15% of gemma3's rounds at T=1) cost its price for no
                     # token; counted as a draft rejected at once, the policy's estimate of what
