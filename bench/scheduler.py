@@ -16,7 +16,10 @@ SmolLM2's top-p 0.9, Gemma 3's top-k 64 and top-p 0.95):
     dspark-fixed3/7   the shipped DSpark drafter, 3 / 7 drafts verified every round
     dspark-threshold  the shipped drafter with its calibrated thresholds and the cost
                       policy (what `verispec serve` runs today)
-    dspark-strict     the shipped drafter, Algorithm 1 strict
+    dspark-strict     the shipped drafter, Algorithm 1 strict (a row drafts where what its
+                      rounds have kept pays for them: engine/draft_length.py)
+    dspark-strict-rate  the same, a row's drafting decided by the acceptance-rate model alone
+                      (before 2026-12-06's stage 25)
     dspark-production the shipped drafter, Algorithm 1 production form
     composite-strict  the shipped drafter and n-gram for every row, the better candidate
                       each round (drafting/composite.py), Algorithm 1 strict (served)
@@ -57,7 +60,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ARMS = ("none", "ngram", "ngram-strict", "ngram-production", "dspark-fixed3", "dspark-fixed7", "dspark-threshold",
-        "dspark-strict", "dspark-production", "composite-strict", "composite-production")
+        "dspark-strict", "dspark-strict-rate", "dspark-production", "composite-strict", "composite-production")
 
 
 def make_arm(loaded, arm: str):
@@ -76,6 +79,9 @@ def make_arm(loaded, arm: str):
     if arm.startswith("dspark-fixed"):
         config.update(adaptive_draft=False, num_draft_tokens=int(arm.removeprefix("dspark-fixed")))
         drafter.threshold = 0.0  # every drafted token goes to verification
+    if arm.endswith("-rate"):
+        config["judge_paid_by_yield"] = False
+        arm = arm.removesuffix("-rate")
     if arm.endswith("-strict") or arm.endswith("-production"):
         config["verify_schedule"] = arm.rsplit("-", 1)[1]
     return Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, EngineConfig(**config), drafter=drafter)

@@ -311,6 +311,115 @@ def test_a_paid_source_that_proposes_nothing_stops_being_asked(family, monkeypat
     assert 0 < provider.asked <= 12, f"asked {provider.asked} times in 59 decode steps"
 
 
+def test_a_paid_source_is_judged_by_what_its_rounds_kept(tmp_path, monkeypatch):
+    """The engine records what each paid round delivered: a source that proposes one token
+    a round, right on two rounds of five, asked under the verify scheduler. The recorded
+    yields over all rows equal what the request's usage says (tokens kept over rounds
+    asked), and every output equals plain greedy decoding of the same prompt. Greedy rows
+    are sized by the rate model, which reads a = 0.4 as E(7) - 1 = 0.67 tokens a round and
+    pays a round of 0.5 steps for it (flat step costs) though the rounds keep 0.4: the
+    source is asked nearly every step whichever way sampled rows are judged."""
+    from verispec.engine import engine as engine_module
+    from verispec.engine.draft import Draft, DraftProvider, DraftSource
+
+    monkeypatch.setattr(engine_module, "step_costs_for", lambda model: (StepCosts.flat(), {}))
+    build_reference(family_configs()["llama"], tmp_path)
+    target = load_folder(tmp_path)
+    prompt, n_tokens = [5, 6, 7, 8], 60
+    plain = Engine(target, CharTokenizer(), stop_ids=(), config=EngineConfig(kv_budget=2**30)).generate(
+        GenerationRequest(prompt, n_tokens)).token_ids
+
+    class OneToken(DraftSource):
+        def __init__(self, context):
+            self.context, self.rounds = context, 0
+
+        def draft(self, pending, max_n):
+            at = len(self.context.output)  # the token after `pending` (the last one emitted)
+            self.rounds += 1
+            right = self.rounds % 5 < 2
+            return Draft([plain[at] if right else (plain[at] + 1) % 97], confidence=[0.9])
+
+    class PaidOneToken(DraftProvider):
+        name = "paid one-token"
+        max_draft = 7
+        asked = 0
+
+        def new_source(self, context):
+            return OneToken(context)
+
+        def draft_costs(self, target_costs):
+            return 0.5, 0.0
+
+        def draft_batch(self, requests):
+            self.asked += sum(1 for _, _, n in requests if n > 0)
+            return [source.draft(pending, n) for source, pending, n in requests]
+
+    for judge in (True, False):
+        provider = PaidOneToken()
+        engine = Engine(target, CharTokenizer(), stop_ids=(), drafter=provider, config=EngineConfig(
+            kv_budget=2**30, num_draft_tokens=7, verify_schedule="strict", judge_paid_by_yield=judge,
+            recalibrate_heads=False))
+        result = engine.generate(GenerationRequest(prompt, n_tokens))
+        assert result.token_ids == plain, "lossless whatever the policy drafts"
+        usage = result.speculation
+        assert provider.asked >= usage["rounds"] - 2, f"asked {provider.asked} of {usage['rounds']} steps"
+        recorded = engine.drafting.stats()["paid_rounds"]["greedy"]
+        assert recorded["rounds"] == provider.asked <= 64, "every asked round recorded (no decay yet)"
+        assert recorded["mean_kept"] == pytest.approx(usage["accepted"] / provider.asked, abs=1e-3)
+        assert 0.3 < recorded["mean_kept"] < 0.5, "two of five one-token drafts kept"
+        assert recorded["mean_verified"] == pytest.approx(1.0), "its one draft sent every round"
+
+
+def test_a_sampled_row_drafts_where_its_rounds_yields_pay():
+    """A sampled row asking a paid source under the scheduler drafts where what its rounds
+    kept pays for the round, whatever the rate model reads; a greedy row, and any row with
+    judge_by_yield off, is sized by the rate model."""
+    from types import SimpleNamespace
+
+    from verispec.engine.draft_length import RoundYield
+
+    def row(params, kept):
+        estimate = AcceptanceEstimate(accepted=4, rejected=6, paid=RoundYield(rounds=6, kept=6 * kept, verified=6))
+        return SimpleNamespace(request=SimpleNamespace(max_tokens=100), output=[], params=params,
+                               draft_stats=SimpleNamespace(estimate=estimate))
+
+    sampled, greedy = SamplingParams(temperature=1.0), SamplingParams()
+    judged = DraftLength(8, 7, StepCosts.flat(), draft_costs=(0.5, 0.0), ask_all=True)
+    rate_only = DraftLength(8, 7, StepCosts.flat(), draft_costs=(0.5, 0.0), ask_all=True, judge_by_yield=False)
+    # a = 0.4: E(7) - 1 = 0.67 tokens for a round of 0.5 steps pays in the rate model ...
+    assert rate_only.for_row(row(sampled, kept=0.4), batch_tokens=1) == 7
+    assert judged.for_row(row(greedy, kept=0.4), batch_tokens=1) == 7
+    # ... 0.4 kept a round does not (1.4 tokens for 1.5 steps), 0.7 does (1.7 for 1.5)
+    assert judged.for_row(row(sampled, kept=0.4), batch_tokens=1) == 0
+    assert judged.for_row(row(sampled, kept=0.7), batch_tokens=1) == 7
+    # too few rounds seen: the rate model decides
+    thin = row(sampled, kept=0.0)
+    thin.draft_stats.estimate.paid = RoundYield(rounds=1, kept=0, verified=1)
+    assert judged.for_row(thin, batch_tokens=1) == 7
+
+
+def test_round_yield_decays_to_its_memory_and_a_prior_keeps_its_means():
+    from verispec.engine.draft_length import RoundYield
+
+    y = RoundYield()
+    for kept in (3, 3, 0, 0):
+        y.update(verified=4, kept=kept, memory=3.0)
+    # after 4 rounds the sums were scaled to 3 rounds each time they passed it
+    assert y.rounds == pytest.approx(3.0)
+    assert y.mean_verified == pytest.approx(4.0)
+    assert y.mean_kept == pytest.approx(((3 + 3 + 0) * 0.75 + 0) / 3)
+    prior = y.prior(weight=1.0)
+    assert prior.rounds == pytest.approx(1.0)
+    assert (prior.mean_kept, prior.mean_verified) == pytest.approx((y.mean_kept, y.mean_verified))
+    assert RoundYield().prior().rounds == 0, "no rounds seen: no prior"
+    # pays: 1 + kept per round against the verify and the round's price (flat steps: 1 each)
+    policy = CostPolicy(7, StepCosts.flat())
+    assert policy.pays(RoundYield(1, 0.6, 2), batch_tokens=1, price=0.5)
+    assert not policy.pays(RoundYield(1, 0.4, 2), batch_tokens=1, price=0.5)
+    # a step of 4 rows: the round delays all four, so the same yield pays less
+    assert not policy.pays(RoundYield(1, 0.6, 2), batch_tokens=4, price=0.5)
+
+
 def test_a_stop_string_inside_an_accepted_burst_ends_the_output_there(tmp_path):
     """Self-drafting accepts all 8 drafts, so output tokens 1..9 arrive in one burst; a stop
     string made of two tokens in the middle of it must end the output right before them,

@@ -26,6 +26,20 @@ that is useless on this traffic does not cost every new request a few failed rou
 then, so it notices when its text turns predictable (a quote, code being repeated): first
 after `PROBE_EVERY` steps, and after each probe that changes nothing twice as long, up to
 `MAX_PROBE_EVERY` (a hopeless draft model then costs almost nothing: bench/spec.py).
+
+A sampled row asking a paid source under the verify scheduler (a DSpark drafter alone,
+served, at T > 0) is judged by what its rounds have delivered instead, once there are some
+(`RoundYield`): the tokens a round kept and the drafts it sent to verification, per round,
+the row's own decayed over its last `ROW_YIELD_MEMORY` rounds on a prior from all sampled
+rows' recent rounds. The rate model above assumes the k drafts asked for are all verified;
+under the scheduler a row asks for its whole allowance and the drafter's confidence cut and
+the scheduler verify fewer (on gemma3 at T=1, 15% of DSpark's rounds came back empty), so it
+read a round as worth more than it was and DSpark alone drafted where it lost. The row drafts
+where a step that keeps what its rounds have kept, verifying what they have verified, beats
+a plain step with the round's price paid; elsewhere it probes as above. Greedy rows keep the
+rate model: judged by yields they drafted less on gemma3 at one stream (tau 1.52 -> 1.42) and
+ran no faster, where sampled rows went from 0.91x to 0.96x plain (stage 25 of
+docs/dspark-campaign.md, bench/scheduler.py's dspark-strict against dspark-strict-rate).
 """
 
 from __future__ import annotations
@@ -39,6 +53,42 @@ PRIOR_WEIGHT = 4.0  # ... worth this many drafted tokens of evidence
 PROBE_EVERY = 8
 MAX_PROBE_EVERY = 256
 UNSENT_BEFORE_BACKOFF = 2  # rounds whose draft the verify scheduler sent none of
+ROW_YIELD_MEMORY = 12.0  # paid rounds a row's own yield keeps (text changes what pays)
+POOL_YIELD_MEMORY = 64.0  # paid rounds the yield over all rows keeps
+YIELD_PRIOR_ROUNDS = 3.0  # what a new row's yield starts from the pool's, in rounds
+MIN_YIELD_ROUNDS = 2.0  # rounds of evidence before yields, not the rate model, decide
+
+
+@dataclass
+class RoundYield:
+    """What a paid source's rounds delivered: rounds, tokens kept (drafts accepted, the
+    bonus token not counted) and drafts sent to verification, decayed sums."""
+    rounds: float = 0.0
+    kept: float = 0.0
+    verified: float = 0.0
+
+    def update(self, verified: int, kept: int, memory: float) -> None:
+        self.rounds += 1
+        self.kept += kept
+        self.verified += verified
+        if self.rounds > memory:
+            scale = memory / self.rounds
+            self.rounds, self.kept, self.verified = memory, self.kept * scale, self.verified * scale
+
+    def prior(self, weight: float = YIELD_PRIOR_ROUNDS) -> "RoundYield":
+        """A row's starting yield: this one's means, worth `weight` rounds (none if empty)."""
+        if self.rounds <= 0:
+            return RoundYield()
+        scale = min(weight, self.rounds) / self.rounds
+        return RoundYield(self.rounds * scale, self.kept * scale, self.verified * scale)
+
+    @property
+    def mean_kept(self) -> float:
+        return self.kept / self.rounds if self.rounds else 0.0
+
+    @property
+    def mean_verified(self) -> float:
+        return self.verified / self.rounds if self.rounds else 0.0
 
 
 @dataclass
@@ -48,6 +98,8 @@ class AcceptanceEstimate:
     idle_steps: int = 0  # steps without drafting since the last draft or probe
     probe_every: int = PROBE_EVERY
     unsent: int = 0  # rounds in a row whose whole draft the verify scheduler cut
+    paid: RoundYield | None = None  # a paid source's rounds for this row (RoundYield)
+    asked: bool = False  # this step asked a paid source: commit records the round's yield
 
     @property
     def rate(self) -> float:
@@ -103,22 +155,39 @@ class CostPolicy:
             value = (batch_tokens - 1 + expected_tokens(a, k)) / batch_tokens / slowdown
             if value > best:
                 best_k, best = k, value
-        if best_k == 0:
-            estimate.idle_steps += 1
-            if estimate.idle_steps >= estimate.probe_every:
-                estimate.idle_steps = 0
-                estimate.probe_every = min(2 * estimate.probe_every, MAX_PROBE_EVERY)
-                return 1
-            return 0
-        estimate.idle_steps = 0
-        estimate.probe_every = PROBE_EVERY
-        return best_k
+        return self.idle_or(estimate, best_k, probe=1)
+
+    def pays(self, paid: RoundYield, batch_tokens: int, price: float) -> bool:
+        """Whether a step whose row keeps and verifies what its paid rounds have (means of
+        `paid`), its round's `price` paid (single-token steps), emits more per second than
+        a plain one. The step's other rows count: the round delays their tokens too."""
+        base = self.costs(batch_tokens)
+        whole, part = divmod(paid.mean_verified, 1.0)  # between the table's whole token counts
+        below = self.costs(batch_tokens + int(whole))
+        verify = below + part * (self.costs(batch_tokens + int(whole) + 1) - below) if part else below
+        slowdown = (verify + price) / base
+        return (batch_tokens + paid.mean_kept) / batch_tokens / slowdown > 1.0
+
+    @staticmethod
+    def idle_or(estimate: AcceptanceEstimate, k: int, probe: int) -> int:
+        """`k` drafts, or, where that is none, none but a probe of `probe` drafts every
+        `probe_every` idle steps, each probe that changes nothing doubling the wait."""
+        if k > 0:
+            estimate.idle_steps = 0
+            estimate.probe_every = PROBE_EVERY
+            return k
+        estimate.idle_steps += 1
+        if estimate.idle_steps >= estimate.probe_every:
+            estimate.idle_steps = 0
+            estimate.probe_every = min(2 * estimate.probe_every, MAX_PROBE_EVERY)
+            return probe
+        return 0
 
 
 class DraftLength:
     def __init__(self, cap: int, provider_max: int, costs: StepCosts | None = None, adaptive: bool = True,
                  draft_costs: tuple[float, float] = (0.0, 0.0), ask_all: bool = False,
-                 sampled_round: float | None = None, served_round=None):
+                 sampled_round: float | None = None, served_round=None, judge_by_yield: bool = True):
         self.cap = cap  # the engine's --num-draft-tokens: forced drafts too
         self.max_draft = max(0, min(cap, provider_max))  # what the provider may be asked for
         self.adaptive = adaptive and costs is not None
@@ -137,6 +206,10 @@ class DraftLength:
         # costs (a DSpark pass, a draft model) still drafts only where the policy says it pays
         self.ask_all = ask_all
         self.free_drafts = draft_costs == (0.0, 0.0)
+        # a sampled row asking a paid source under the scheduler drafts where its rounds'
+        # yields pay (RoundYield); False: the rate model alone (bench/scheduler.py's
+        # dspark-strict-rate)
+        self.judge_by_yield = judge_by_yield and ask_all and not self.free_drafts
 
     @staticmethod
     def room(row) -> int:
@@ -167,10 +240,30 @@ class DraftLength:
             estimate.idle_steps = 0
             estimate.probe_every = min(2 * estimate.probe_every, MAX_PROBE_EVERY)
             return limit
+        paid = estimate.paid
+        if self.judge_by_yield and not row.params.is_greedy and paid is not None \
+                and paid.rounds >= MIN_YIELD_ROUNDS:
+            pays = self.policy.pays(paid, batch_tokens, self.round_price(False, limit))
+            return self.policy.idle_or(estimate, limit if pays else 0, probe=limit)
         k = self.policy.choose(estimate, batch_tokens, limit, None if row.params.is_greedy else self.sampled_price())
         return limit if self.ask_all and k > 0 else k
+
+    @property
+    def pays_per_round(self) -> bool:
+        """Rounds asked of the source are paid for, and their yields recorded (Drafting)."""
+        return self.adaptive and not self.free_drafts
 
     def sampled_price(self) -> float | None:
         """A sampled row's round, in single-token steps (None: the greedy price)."""
         served = self.served_round(False) if self.served_round is not None else None
         return served / self.policy.costs.base_seconds if served is not None else self.sampled_round
+
+    def round_price(self, greedy: bool, drafts: int) -> float:
+        """A round of `drafts` for a greedy or a sampled row, in single-token steps: the
+        prices the rate model charges. (Not served greedy rounds' mean: after idle
+        stretches a round first brings the context rows since the row's last one, so that
+        mean rises the less a row drafts.)"""
+        sampled = None if greedy else self.sampled_price()
+        if sampled is not None:
+            return sampled
+        return self.policy.draft_fixed + self.policy.draft_per_token * drafts

@@ -24,7 +24,8 @@ import os
 
 from verispec.engine.acceptance import HeadRecalibration, OnlineAcceptance, survival
 from verispec.engine.draft import Draft, DraftProvider, DraftStats, Hidden, NoDrafter, SourceContext
-from verispec.engine.draft_length import PROBE_EVERY, AcceptanceEstimate, DraftLength
+from verispec.engine.draft_length import (POOL_YIELD_MEMORY, PROBE_EVERY, ROW_YIELD_MEMORY, AcceptanceEstimate,
+                                          DraftLength, RoundYield)
 from verispec.engine.metrics import Histogram
 from verispec.engine.verify_schedule import VerifySchedule
 
@@ -67,6 +68,9 @@ class Drafting:
         self.drafted_at = [0] * width
         self.totals = DraftStats()  # over all rows (Prometheus counters, /stats)
         self.pool = AcceptanceEstimate()  # recent acceptance over all rows: new rows start from it
+        # a paid source's recent rounds over all rows, greedy (True) and sampled (False) rows
+        # apart: what a new row's yield starts from (engine/draft_length.py, RoundYield)
+        self.paid_pool = {g: RoundYield() for g in (True, False)}
         # drafted tokens each speculating row sent to verification per step (/metrics)
         self.verify_lengths = Histogram(tuple(float(n) for n in range(0, width + 1)))
 
@@ -93,6 +97,8 @@ class Drafting:
     def attach(self, row) -> None:
         """Give an admitted row its source and stats."""
         row.draft_stats = DraftStats(estimate=self.pool.prior())
+        if self.length.pays_per_round:
+            row.draft_stats.estimate.paid = self.paid_pool[row.params.is_greedy].prior()
         if not self.active or not row.request.speculation:
             return  # no source: the row decodes plainly (its grammar may still force tokens)
         try:
@@ -117,6 +123,8 @@ class Drafting:
         proposed = iter(self._propose(wanted) if wanted else ())
         out = []
         for row, forced, k in zip(rows, drafts, asks):
+            # a paid round's yield is recorded at commit, empty or cut by the scheduler too
+            row.draft_stats.estimate.asked = forced is None and k > 0 and self.length.pays_per_round
             if forced is not None:
                 out.append(forced)
             elif k > 0:
@@ -197,6 +205,13 @@ class Drafting:
             self.pool.update(len(draft), kept, memory=POOL_MEMORY)
             for j in range(len(draft)):
                 self.drafted_at[j] += 1
+        estimate = row.draft_stats.estimate
+        if estimate.asked:
+            estimate.asked = False
+            verified = 0 if draft.forced else len(draft)
+            if estimate.paid is not None:
+                estimate.paid.update(verified, kept, ROW_YIELD_MEMORY)
+            self.paid_pool[row.params.is_greedy].update(verified, kept, POOL_YIELD_MEMORY)
         fed_and_kept = [row.pending, *emitted[:-1]]
         self._call(row, "commit", fed_and_kept, emitted[-1],
                    None if hidden is None else tuple(h[: len(fed_and_kept)] for h in hidden))
@@ -234,6 +249,12 @@ class Drafting:
             # P(draft j kept | drafts before it kept): the paper's conditional acceptance
             "per_position_acceptance": [round(a / r, 4) if r else None for a, r in zip(self.accepted_at, self.reached_at)],
             "drafted_at": list(self.drafted_at),
+            # a paid source's recent rounds (what its draft length is judged by): per round,
+            # the drafts verified and the tokens kept
+            **({"paid_rounds": {("greedy" if g else "sampled"): {
+                "rounds": round(y.rounds, 1), "mean_verified": round(y.mean_verified, 3),
+                "mean_kept": round(y.mean_kept, 3)} for g, y in self.paid_pool.items() if y.rounds}}
+               if self.length.pays_per_round else {}),
             **({"head_recalibration": {("greedy" if g else "sampled"): table
                                        for g, r in self.recalibration.items() if (table := r.table())}}
                if self.recalibration is not None else {}),

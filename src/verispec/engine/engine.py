@@ -103,6 +103,10 @@ class EngineConfig:
     verify_schedule: str = "cost"
     # a head's confidences corrected online by what verification kept (engine/acceptance.py)
     recalibrate_heads: bool = True
+    # a sampled row asking a paid source (DSpark alone) under a verify schedule drafts where
+    # what its rounds have kept pays for them (engine/draft_length.py); False: the
+    # acceptance-rate model alone, as greedy rows
+    judge_paid_by_yield: bool = True
     prefix_cache: bool = True  # keep finished rows' KV for later prompts that start the same (prefix_cache.py)
     prefix_cache_bytes: int | None = None  # its cap; None: a quarter of the KV budget (it counts against it)
 
@@ -180,7 +184,8 @@ class Engine:
         length = DraftLength(self.config.num_draft_tokens, provider.max_draft, costs, adaptive,
                              provider.draft_costs(costs) if priced else (0.0, 0.0), ask_all=scheduled,
                              sampled_round=None if sampled is None else sampled[0],
-                             served_round=provider.served_round_seconds if priced else None)
+                             served_round=provider.served_round_seconds if priced else None,
+                             judge_by_yield=self.config.judge_paid_by_yield)
         schedule = VerifySchedule(self.config.verify_schedule, costs.sps) if scheduled else None
         return Drafting(provider, length, self.config.forced_drafts, schedule, self.config.recalibrate_heads)
 
