@@ -234,16 +234,14 @@ class DraftLength:
         if self.ask_all and estimate.unsent >= UNSENT_BEFORE_BACKOFF:
             # the scheduler has been cutting this row's whole (costly) draft: draft only
             # as a probe, ever more rarely, instead of paying for drafts nobody verifies
-            estimate.idle_steps += 1
-            if estimate.idle_steps < estimate.probe_every:
-                return 0
-            estimate.idle_steps = 0
-            estimate.probe_every = min(2 * estimate.probe_every, MAX_PROBE_EVERY)
-            return limit
+            return self.policy.idle_or(estimate, 0, probe=limit)
         paid = estimate.paid
         if self.judge_by_yield and not row.params.is_greedy and paid is not None \
                 and paid.rounds >= MIN_YIELD_ROUNDS:
-            pays = self.policy.pays(paid, batch_tokens, self.round_price(False, limit))
+            price = self.sampled_price()
+            if price is None:  # no sampled price: the greedy one
+                price = self.policy.draft_fixed + self.policy.draft_per_token * limit
+            pays = self.policy.pays(paid, batch_tokens, price)
             return self.policy.idle_or(estimate, limit if pays else 0, probe=limit)
         k = self.policy.choose(estimate, batch_tokens, limit, None if row.params.is_greedy else self.sampled_price())
         return limit if self.ask_all and k > 0 else k
@@ -257,13 +255,3 @@ class DraftLength:
         """A sampled row's round, in single-token steps (None: the greedy price)."""
         served = self.served_round(False) if self.served_round is not None else None
         return served / self.policy.costs.base_seconds if served is not None else self.sampled_round
-
-    def round_price(self, greedy: bool, drafts: int) -> float:
-        """A round of `drafts` for a greedy or a sampled row, in single-token steps: the
-        prices the rate model charges. (Not served greedy rounds' mean: after idle
-        stretches a round first brings the context rows since the row's last one, so that
-        mean rises the less a row drafts.)"""
-        sampled = None if greedy else self.sampled_price()
-        if sampled is not None:
-            return sampled
-        return self.policy.draft_fixed + self.policy.draft_per_token * drafts
