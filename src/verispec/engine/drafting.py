@@ -208,10 +208,9 @@ class Drafting:
         estimate = row.draft_stats.estimate
         if estimate.asked:
             estimate.asked = False
-            verified = 0 if draft.forced else len(draft)
-            if estimate.paid is not None:
-                estimate.paid.update(verified, kept, ROW_YIELD_MEMORY)
-            self.paid_pool[row.params.is_greedy].update(verified, kept, POOL_YIELD_MEMORY)
+            if estimate.paid is not None:  # (asked: the source's draft, never a forced one)
+                estimate.paid.update(len(draft), kept, ROW_YIELD_MEMORY)
+            self.paid_pool[row.params.is_greedy].update(len(draft), kept, POOL_YIELD_MEMORY)
         fed_and_kept = [row.pending, *emitted[:-1]]
         self._call(row, "commit", fed_and_kept, emitted[-1],
                    None if hidden is None else tuple(h[: len(fed_and_kept)] for h in hidden))
