@@ -413,11 +413,11 @@ def test_round_yield_decays_to_its_memory_and_a_prior_keeps_its_means():
     assert (prior.mean_kept, prior.mean_verified) == pytest.approx((y.mean_kept, y.mean_verified))
     assert RoundYield().prior().rounds == 0, "no rounds seen: no prior"
     # pays: 1 + kept per round against the verify and the round's price (flat steps: 1 each)
-    policy = CostPolicy(7, StepCosts.flat())
-    assert policy.pays(RoundYield(1, 0.6, 2), batch_tokens=1, price=0.5)
-    assert not policy.pays(RoundYield(1, 0.4, 2), batch_tokens=1, price=0.5)
+    policy = CostPolicy(7, StepCosts.flat(), draft_cost_fixed=0.5)
+    assert policy.pays(RoundYield(1, 0.6, 2), batch_tokens=1, drafts=7)
+    assert not policy.pays(RoundYield(1, 0.4, 2), batch_tokens=1, drafts=7)
     # a step of 4 rows: the round delays all four, so the same yield pays less
-    assert not policy.pays(RoundYield(1, 0.6, 2), batch_tokens=4, price=0.5)
+    assert not policy.pays(RoundYield(1, 0.6, 2), batch_tokens=4, drafts=7)
 
 
 def test_a_stop_string_inside_an_accepted_burst_ends_the_output_there(tmp_path):

@@ -147,25 +147,26 @@ class CostPolicy:
             return 0
         a = estimate.rate
         base = self.costs(batch_tokens)
-        fixed = self.draft_fixed if draft_fixed is None else draft_fixed
         best_k, best = 0, 1.0
         for k in range(1, limit + 1):
             # the whole step's throughput: this row's extra tokens slow every row down
-            slowdown = (self.costs(batch_tokens + k) + fixed + self.draft_per_token * k) / base
+            slowdown = (self.costs(batch_tokens + k) + self.round_price(k, draft_fixed)) / base
             value = (batch_tokens - 1 + expected_tokens(a, k)) / batch_tokens / slowdown
             if value > best:
                 best_k, best = k, value
         return self.idle_or(estimate, best_k, probe=1)
 
-    def pays(self, paid: RoundYield, batch_tokens: int, price: float) -> bool:
+    def round_price(self, drafts: int, draft_fixed: float | None = None) -> float:
+        """A round of `drafts` drafts, in single-token steps (`draft_fixed`: see choose)."""
+        return (self.draft_fixed if draft_fixed is None else draft_fixed) + self.draft_per_token * drafts
+
+    def pays(self, paid: RoundYield, batch_tokens: int, drafts: int, draft_fixed: float | None = None) -> bool:
         """Whether a step whose row keeps and verifies what its paid rounds have (means of
-        `paid`), its round's `price` paid (single-token steps), emits more per second than
-        a plain one. The step's other rows count: the round delays their tokens too."""
+        `paid`), a round of `drafts` paid (`draft_fixed`: see choose), emits more per second
+        than a plain one. The step's other rows count: the round delays their tokens too."""
         base = self.costs(batch_tokens)
-        whole, part = divmod(paid.mean_verified, 1.0)  # between the table's whole token counts
-        below = self.costs(batch_tokens + int(whole))
-        verify = below + part * (self.costs(batch_tokens + int(whole) + 1) - below) if part else below
-        slowdown = (verify + price) / base
+        # the SPS table interpolates between its sizes: a mean of 1.27 verified drafts is priced so
+        slowdown = (self.costs(batch_tokens + paid.mean_verified) + self.round_price(drafts, draft_fixed)) / base
         return (batch_tokens + paid.mean_kept) / batch_tokens / slowdown > 1.0
 
     @staticmethod
@@ -238,10 +239,7 @@ class DraftLength:
         paid = estimate.paid
         if self.judge_by_yield and not row.params.is_greedy and paid is not None \
                 and paid.rounds >= MIN_YIELD_ROUNDS:
-            price = self.sampled_price()
-            if price is None:  # no sampled price: the greedy one
-                price = self.policy.draft_fixed + self.policy.draft_per_token * limit
-            pays = self.policy.pays(paid, batch_tokens, price)
+            pays = self.policy.pays(paid, batch_tokens, limit, self.sampled_price())
             return self.policy.idle_or(estimate, limit if pays else 0, probe=limit)
         k = self.policy.choose(estimate, batch_tokens, limit, None if row.params.is_greedy else self.sampled_price())
         return limit if self.ask_all and k > 0 else k

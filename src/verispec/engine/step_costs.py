@@ -84,7 +84,7 @@ class StepCosts:
         # seconds a forward spends per extra row, by row count (1 row: none)
         self.row_overhead = {int(r): max(0.0, float(o)) for r, o in sorted((row_overhead or {1: 0.0}).items())}
 
-    def __call__(self, n: int) -> float:
+    def __call__(self, n: float) -> float:
         ns, cs = self.n, self.cost
         if n <= ns[0]:
             return cs[0]
