@@ -62,7 +62,7 @@ from verispec.engine.request import (
 from verispec.engine import runner
 from verispec.engine.draft import MAX_DRAFT_TOKENS, DraftProvider, NoDrafter
 from verispec.engine.draft_length import DraftLength
-from verispec.engine.step_costs import step_costs_for
+from verispec.engine.step_costs import StepCosts, step_costs_for
 from verispec.engine.verify_schedule import MODES as VERIFY_SCHEDULES, VerifySchedule
 from verispec.engine.drafting import Drafting, speculation_enabled
 from verispec.engine.prefix_cache import PrefixCache
@@ -135,7 +135,7 @@ def default_kv_budget(device: torch.device) -> int:
 
 class Engine:
     def __init__(self, model: Decoder, tokenizer, stop_ids: Sequence[int], config: EngineConfig | None = None,
-                 drafter: DraftProvider | None = None):
+                 drafter: DraftProvider | None = None, step_costs: StepCosts | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.stop_ids = frozenset(stop_ids)
@@ -162,9 +162,13 @@ class Engine:
         self._loop_thread: threading.Thread | None = None  # whichever thread runs the loop
         self._stopping = False
         self.started_at = time.time()
-        self.drafting = self._drafting(drafter)
+        # `step_costs`: an SPS table the caller already holds for this model, so engines
+        # compared in one run price their steps alike (each engine reading the cache on its
+        # own may re-time a table when the machine is busy, and a verify schedule or draft
+        # length decided on another table moves tau: `dspark measure --against`)
+        self.drafting = self._drafting(drafter, step_costs)
 
-    def _drafting(self, drafter: DraftProvider | None) -> Drafting:
+    def _drafting(self, drafter: DraftProvider | None, shared_costs: StepCosts | None = None) -> Drafting:
         if drafter is not None and not speculation_enabled():
             log.warning("VERISPEC_SPEC=0: speculation is off (%s not used)", drafter.describe())
             drafter = None
@@ -172,7 +176,9 @@ class Engine:
         adaptive = self.config.adaptive_draft and drafter is not None
         scheduled = self.config.verify_schedule != "cost" and (drafter is not None or self.config.forced_drafts)
         self.step_costs = None
-        if adaptive or scheduled:
+        if (adaptive or scheduled) and shared_costs is not None:
+            self.step_costs = shared_costs
+        elif adaptive or scheduled:
             self.step_costs, info = step_costs_for(self.model)
             if info.get("implausible"):
                 log.warning("the SPS table stayed implausible after %d measurements (a forward of a + b tokens "

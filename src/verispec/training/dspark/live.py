@@ -31,10 +31,11 @@ class LiveResult:
 
 
 def make_engine(loaded, provider=None, adaptive: bool = True, num_draft_tokens: int = 8,
-                verify_schedule: str = "cost") -> Engine:
+                verify_schedule: str = "cost", step_costs=None) -> Engine:
+    """One request at a time; `step_costs`: the SPS table every arm of one run prices with."""
     return Engine(loaded.model, loaded.tokenizer, loaded.stop_ids,
                   EngineConfig(max_rows=1, adaptive_draft=adaptive, num_draft_tokens=num_draft_tokens,
-                               verify_schedule=verify_schedule), drafter=provider)
+                               verify_schedule=verify_schedule), drafter=provider, step_costs=step_costs)
 
 
 def run_live(engine: Engine, prompt_ids: list[int], max_tokens: int, params: SamplingParams,

@@ -76,8 +76,13 @@ def run_measure(args) -> int:
     drafter = served_drafter(args.drafter, "--drafter")
     g = drafter.block_size
     plain = make_engine(loaded)
+    from verispec.engine.step_costs import step_costs_for
+
+    # one SPS table for every arm: each engine reading the cache alone may re-time it on a
+    # busy machine, and arms priced on different tables verify different lengths
     policy = {"adaptive": not args.fixed_draft, "num_draft_tokens": g,
-              "verify_schedule": getattr(args, "verify_schedule", SERVED_SCHEDULE)}  # as `verispec serve` decides by default
+              "verify_schedule": getattr(args, "verify_schedule", SERVED_SCHEDULE),  # as `verispec serve` decides by default
+              "step_costs": step_costs_for(loaded.model)[0]}
     dspark = make_engine(loaded, DSparkProvider(drafter), **policy)
     from verispec.drafting.ngram import NgramProvider
 
