@@ -223,16 +223,25 @@ def test_greedy_decoding_matches_deepspec_round_for_round(oracle_set, target, dr
     assert compared > 150, "most rounds were compared in full"
 
 
-def test_dspark_greedy_output_equals_plain_decoding(oracle_set, target, drafter):
+def test_dspark_greedy_output_equals_plain_decoding(oracle_set, target, drafter, monkeypatch):
     from tests.tiny_models import CharTokenizer
     from verispec.engine.engine import Engine, EngineConfig
     from verispec.engine.request import GenerationRequest
+    from verispec.engine.step_costs import StepCosts
     from verispec.drafting.dspark.source import DSparkProvider
 
     prompts = _prompts(oracle_set)
     plain = Engine(target.model, CharTokenizer(), target.stop_ids, EngineConfig(kv_budget=2**30))
+    # priced, not timed: a round at a third of a flat-cost step. The tiny drafter's timed round is
+    # about one tiny target step, so on a loaded machine the timing alone decided whether it drafted
+    # (this failed while a features job held both cores); what is checked is the policy's answer.
+    # Priced at 5 steps a round, the same check fails
+    provider = DSparkProvider(drafter, confidence_threshold=0.5)
+    monkeypatch.setattr(provider, "draft_costs", lambda costs: (1 / 3, 0.0))
+    monkeypatch.setattr(provider, "sampled_draft_costs", lambda costs: (1 / 3, 0.0))
+    monkeypatch.setattr(provider, "served_round_seconds", lambda greedy: None)
     spec = Engine(target.model, CharTokenizer(), target.stop_ids, EngineConfig(kv_budget=2**30),
-                  drafter=DSparkProvider(drafter, confidence_threshold=0.5))
+                  drafter=provider, step_costs=StepCosts.flat())
     for prompt in prompts[:6]:
         expected = plain.generate(GenerationRequest(prompt, 48)).token_ids
         result = spec.generate(GenerationRequest(prompt, 48))
