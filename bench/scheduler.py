@@ -23,6 +23,9 @@ SmolLM2's top-p 0.9, Gemma 3's top-k 64 and top-p 0.95):
     dspark-production the shipped drafter, Algorithm 1 production form
     composite-strict  the shipped drafter and n-gram for every row, the better candidate
                       each round (drafting/composite.py), Algorithm 1 strict (served)
+    composite-strict-promised  composite-strict with a sampled row's paid-source gain as its
+                      confidences promise it, not corrected by what verification kept (before
+                      stage 26 of docs/dspark-campaign.md)
     composite-production  the same, Algorithm 1 production form
 
 Reported per arm, concurrency and temperature: aggregate tok/s (all generated tokens over
@@ -60,10 +63,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ARMS = ("none", "ngram", "ngram-strict", "ngram-production", "dspark-fixed3", "dspark-fixed7", "dspark-threshold",
-        "dspark-strict", "dspark-strict-rate", "dspark-production", "composite-strict", "composite-production")
+        "dspark-strict", "dspark-strict-rate", "dspark-production", "composite-strict", "composite-strict-promised",
+        "composite-production")
 
 
-def make_arm(loaded, arm: str):
+def make_arm(loaded, arm: str, step_costs=None):
     from verispec.drafting.factory import build_drafter, shipped_dspark
     from verispec.drafting.ngram import NgramProvider
     from verispec.engine.engine import Engine, EngineConfig
@@ -79,12 +83,16 @@ def make_arm(loaded, arm: str):
     if arm.startswith("dspark-fixed"):
         config.update(adaptive_draft=False, num_draft_tokens=int(arm.removeprefix("dspark-fixed")))
         drafter.threshold = 0.0  # every drafted token goes to verification
+    if arm.endswith("-promised"):
+        drafter.judge_by_kept = False
+        arm = arm.removesuffix("-promised")
     if arm.endswith("-rate"):
         config["judge_paid_by_yield"] = False
         arm = arm.removesuffix("-rate")
     if arm.endswith("-strict") or arm.endswith("-production"):
         config["verify_schedule"] = arm.rsplit("-", 1)[1]
-    return Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, EngineConfig(**config), drafter=drafter)
+    return Engine(loaded.model, loaded.tokenizer, loaded.stop_ids, EngineConfig(**config), drafter=drafter,
+                  step_costs=step_costs)
 
 
 def closed_loop(engine, prompts: list[list[int]], concurrency: int, max_tokens: int, params) -> dict:
@@ -166,7 +174,10 @@ def main() -> None:
     unknown = set(arms) - set(ARMS)
     if unknown:
         raise SystemExit(f"unknown arms {sorted(unknown)}; known: {', '.join(ARMS)}")
-    engines = {arm: make_arm(loaded, arm) for arm in arms}
+    from verispec.engine.step_costs import step_costs_for
+
+    costs = step_costs_for(loaded.model)[0]  # one SPS table for every arm, so none prices its steps apart
+    engines = {arm: make_arm(loaded, arm, costs) for arm in arms}
     for engine in engines.values():  # warm-up (and the SPS table, cached)
         closed_loop(engine, prompts[:1], 1, 8, SamplingParams())
     rows = []

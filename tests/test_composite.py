@@ -209,3 +209,31 @@ def test_a_paid_source_is_asked_only_where_it_gains_more_than_its_round_costs():
     # free-only composites are charged nothing; paid-only ones their sources' sum
     both_paid = CompositeProvider([_Scripted("a", False, {}, cost=0.5), _Scripted("b", False, {}, cost=0.25)])
     assert both_paid.draft_costs(None) == (0.75, 0.0)
+
+
+def test_a_sampled_row_weighs_a_paid_source_by_what_its_verified_candidates_kept():
+    """Alone on its row the model's drafts promise G = 0.9 (confidences 0.6, 0.5), which
+    pays for a 0.3-step round every round (above). A sampled row's G is corrected by the
+    drafts verification kept per draft promised over the source's verified sampled rounds
+    (the verify scheduler sends a prefix; a sampled pick favours high first confidences).
+    Kept nothing: after the KEPT_AT_LEAST = 8 rounds that ratio waits for, only the 33rd
+    step's probe asks it. Kept one draft a round (1.11 per promised): asked every round.
+    Greedy rows are not corrected (their recalibrated confidences kept what they promised),
+    and without the correction the sampled row asks every round too."""
+    model = Draft([5, 6], confidence=[0.6, 0.5])
+    for kept, judge, asks, ratio in ((0, True, 8 + 1, 0.0), (1, True, 40, round(1 / 0.9, 3)), (0, False, 40, 0.0)):
+        paid = _Scripted("model", False, {2: model}, cost=0.3)
+        provider = CompositeProvider([paid, _Scripted("lookup", True, {})])
+        provider.judge_by_kept = judge
+        provider.draft_costs(None)
+        row = provider.new_source(SourceContext([2], [], SamplingParams(temperature=1.0), 64))
+        for _ in range(40):
+            (draft,) = provider.draft_batch([(row, 0, 4)])
+            row.commit([0, *draft.tokens[:kept]], 7, None)  # the pending token, then what was kept
+        assert paid.asked.count(2) == asks, (kept, judge)
+        assert provider.stats()["kept_per_promised"] == {"model": {"sampled": ratio}}
+        greedy = provider.new_source(SourceContext([2], [], SamplingParams(), 64))
+        for _ in range(12):
+            (draft,) = provider.draft_batch([(greedy, 0, 4)])
+            greedy.commit([0], 7, None)  # kept nothing, and still asked
+        assert paid.asked.count(2) == asks + 12
