@@ -202,10 +202,11 @@ def main() -> None:
     print(f"\n{args.model} ({plan.describe() if plan else 'PyTorch kernels'}), eval prompts "
           f"({', '.join(f'{len(prompts_for(c))} at {c}' for c in concurrencies)} streams), max_tokens {args.max_tokens}, "
           f"closed loop per concurrency, mean of {args.repeats} run(s) a cell, {args.threads} threads on {cpu_name()}")
-    print(f"{'T':>3}{'conc':>5} {'arm':<19}{'agg tok/s':>10}{'vs none':>8}{'stream':>8}{'tau':>6}{'verify/rnd':>11}"
+    w = max(19, max(len(a) for a in arms) + 1)  # the arm column, as wide as its longest name
+    print(f"{'T':>3}{'conc':>5} {'arm':<{w}}{'agg tok/s':>10}{'vs none':>8}{'stream':>8}{'tau':>6}{'verify/rnd':>11}"
           + ("  runs (agg tok/s)" if args.repeats > 1 else ""))
     for r in rows:
-        print(f"{r['temperature']:>3.0f}{r['concurrency']:>5} {r['arm']:<19}{r['agg_tok_s']:>10.1f}"
+        print(f"{r['temperature']:>3.0f}{r['concurrency']:>5} {r['arm']:<{w}}{r['agg_tok_s']:>10.1f}"
               f"{r.get('vs_none', 0):>7.2f}x{r['stream_tok_s']:>8.1f}{r['tau']:>6.2f}{r['verify_per_round']:>11.2f}"
               + (f"  {' / '.join(f'{v:.1f}' for v in r['runs_agg_tok_s'])}" if args.repeats > 1 else ""))
     means = {}
