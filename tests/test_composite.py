@@ -57,6 +57,11 @@ def test_composite_greedy_equals_plain_decoding(models, schedule):
     assert [c.result(0).token_ids for c in collectors] == expected
     assert engine.drafting.totals.accepted > 30 and engine.cache.bytes_in_use == 0
     assert all(n > 0 for n in provider.chosen), provider.chosen  # each source won rounds
+    # /stats shows the sources: the free lookup is asked on every drafting row, the drafter on
+    # some, and the candidates verified are the rounds that kept or tested a draft
+    sources = engine.stats()["speculation"]["sources"]
+    assert sources["asked"]["ngram"] == sources["rows"] >= sources["asked"]["dspark"] > 0
+    assert sum(sources["chosen"].values()) <= engine.drafting.totals.rounds
 
 
 def test_composite_sampling_keeps_the_target_distribution(models):

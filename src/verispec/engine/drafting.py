@@ -257,6 +257,10 @@ class Drafting:
             **({"head_recalibration": {("greedy" if g else "sampled"): table
                                        for g, r in self.recalibration.items() if (table := r.table())}}
                if self.recalibration is not None else {}),
+            # a provider with sources of its own (the composite): the rows that asked it, the
+            # rows each source was asked for, whose candidates were verified, and a paid
+            # source's drafts kept per draft promised
+            **({"sources": self.provider.stats()} if callable(getattr(self.provider, "stats", None)) else {}),
         }
 
     # -- inside ----------------------------------------------------------------------------
