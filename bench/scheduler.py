@@ -178,7 +178,7 @@ def main() -> None:
 
     costs = step_costs_for(loaded.model)[0]  # one SPS table for every arm, so none prices its steps apart
     engines = {arm: make_arm(loaded, arm, costs) for arm in arms}
-    for engine in engines.values():  # warm-up (and the SPS table, cached)
+    for engine in engines.values():  # warm-up
         closed_loop(engine, prompts[:1], 1, 8, SamplingParams())
     rows = []
     for temperature in [float(t) for t in args.temperatures.split(",")]:

@@ -84,7 +84,7 @@ KEPT_AT_LEAST = 8  # verified rounds before that ratio corrects its gain
 
 
 class CompositeSource(DraftSource):
-    def __init__(self, sources: list[DraftSource], context: SourceContext, owner: "CompositeProvider | None" = None):
+    def __init__(self, sources: list[DraftSource], context: SourceContext, owner: "CompositeProvider"):
         self.sources = sources
         self.context = context
         self.owner = owner
@@ -99,7 +99,7 @@ class CompositeSource(DraftSource):
     def commit(self, kept, next_token, hidden) -> None:
         # kept = the pending token + the drafts verification kept (none where the verify
         # scheduler cut the candidate to nothing: the round was paid all the same)
-        if self.pending_paid is not None and self.owner is not None:
+        if self.pending_paid is not None:
             i, promised = self.pending_paid
             self.owner.settle(i, self.context.params.is_greedy, promised, len(kept) - 1)
         self.pending_paid = None
@@ -159,8 +159,10 @@ class CompositeProvider(DraftProvider):
 
     def stats(self) -> dict:
         names = [p.name for p in self.providers]
-        ratios = {p.name: {mode: round(r, 3) for mode, greedy in (("greedy", True), ("sampled", False))
-                           if (r := self.kept_ratio(i, greedy)) != 1.0}
+        # where enough verified rounds stand behind it (a ratio of exactly 1 is shown too)
+        ratios = {p.name: {mode: round(self.kept_ratio(i, greedy), 3)
+                           for mode, greedy in (("greedy", True), ("sampled", False))
+                           if self.kept[i].get(greedy, KEPT_AT_LEAST) is not None}
                   for i, p in enumerate(self.providers) if not p.free}
         return {"chosen": dict(zip(names, self.chosen)), "asked": dict(zip(names, self.asked)), "rows": self.rows,
                 "kept_per_promised": ratios}
