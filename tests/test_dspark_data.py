@@ -178,6 +178,15 @@ def test_an_answer_that_shares_8_words_with_an_eval_prompt_is_never_kept(tmp_pat
     assert [r["id"] for r in read_records(out)] == [r["id"] for r in clean if r["prompt"] != prompt]
     assert main([*argv, "--out", str(out)]) == 0
     assert len(out.read_text().splitlines()) == len(clean), "a rerun does not generate the left-out answer again"
+    # the pack carries the left-out prompt's id, so a machine with only the pack does not ask it again
+    left = tmp_path / "left.pack.xz"
+    assert main(["dspark", "pack", "--data", str(out), "--out", str(left), "--vocab-size", "512"]) == 0
+    left_id = next(r["id"] for r in got if "left_out" in r)
+    assert read_pack(left)[0]["left_out"] == [left_id] and left_id not in {r["id"] for r in read_pack(left)[1]}
+    capsys.readouterr()
+    assert main([*argv, "--out", str(tmp_path / "elsewhere.jsonl"), "--packed", str(left)]) == 0
+    assert f"{len(clean)} answers already in" in capsys.readouterr().err
+    assert not (tmp_path / "elsewhere.jsonl").read_text().strip(), "nothing the pack settled is asked again"
     monkeypatch.undo()
     # pack: a record whose answer quotes an eval prompt is left out, whatever wrote it
     eval_prompt = decontaminate.eval_turns(EVAL_DIR)[7]

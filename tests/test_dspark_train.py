@@ -573,3 +573,10 @@ def test_a_features_folder_holds_one_kind_of_target(features, tmp_path, capsys):
     assert main(["dspark", "train", "--features", f"{features},{other}", "--out", str(tmp_path / "run"), *TRAIN,
                  "--steps", "1"]) != 0
     assert "recompute one of them" in capsys.readouterr().err
+    # a folder of another model's features names that model, so the resume command can be mended
+    manifest = json.loads((features / "manifest.json").read_text())
+    named = tmp_path / "named-features"
+    named.mkdir()
+    (named / "manifest.json").write_text(json.dumps({**manifest, "target_name": "gemma3-270m"}))
+    assert main([*common, "--out", str(named)]) != 0
+    assert "holds features of gemma3-270m" in capsys.readouterr().err

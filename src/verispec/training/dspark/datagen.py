@@ -248,13 +248,13 @@ def run_datagen(args) -> int:
     from verispec.engine.sampling import SamplingParams
     from verispec.models.loader import load_for_serving, load_model, resolve_dtype
     from verispec.models.registry import DEFAULT_MODEL
-    from verispec.training.dspark.pack import read_pack
+    from verispec.training.dspark.pack import done_ids as pack_done_ids
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = done_ids(out)
     for pack in getattr(args, "packed", None) or []:
-        done |= {r["id"] for r in read_pack(Path(pack))[1]}
+        done |= pack_done_ids(Path(pack))
     if args.dataset_answers:
         if args.prompts != "sharegpt":
             raise UserError("--dataset-answers takes ShareGPT's own answers; it cannot go with --prompts FILE")

@@ -167,6 +167,9 @@ def run_features(args) -> int:
         "data": str(Path(args.data).resolve()), "shard_size": args.shard_size, "shards": [], "records": 0,
         "tokens": 0, "bytes": 0, "complete": False,
     }
+    if manifest.get("target_name") and manifest["target_name"] != loaded.name:
+        raise UserError(f"{out} holds features of {manifest['target_name']}, not {loaded.name}: to resume it, "
+                        f"-m {manifest['target_name']}; for {loaded.name}, a new --out folder")
     if manifest["target_layer_ids"] != taps or manifest["hidden_size"] != args_m.hidden_size:
         raise UserError(f"{out} holds features for taps {manifest['target_layer_ids']} of another target or tap set; "
                         "use a new --out folder")

@@ -3,14 +3,16 @@ xz-compressed, so a later session on a new machine trains on them instead of reg
 
 A pack is one xz stream: the line `VSPACK1`, one JSON line of metadata (token width in
 bytes, the tokenizer's vocabulary size, per record [id, source, finish_reason, prompt
-length, answer length]), then every record's prompt ids and answer ids back to back as
+length, answer length], and `left_out`: the ids of prompts whose answers were left out for
+sharing an eval prompt's 8-word run, so datagen `--packed` does not ask them again on a
+machine without the JSONL), then every record's prompt ids and answer ids back to back as
 little-endian unsigned integers. Texts are left out (the ids are what training reads; the
 tokenizer decodes them). Packing a JSONL again adds only the records the pack lacks, in
 order, so packs grow with the data. `verispec dspark features --data` reads a pack as it
 reads datagen's JSONL (features.read_records).
 
 Checked by tests/test_dspark_data.py: JSONL -> pack -> records round-trips exactly, repacking
-is idempotent and appends only new records.
+is idempotent and appends only new records, a left-out answer's id is kept and counts as done.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def is_pack(path: Path) -> bool:
     return str(path).endswith(SUFFIX)
 
 
-def write_pack(path: Path, records: list[dict], vocab_size: int) -> None:
+def write_pack(path: Path, records: list[dict], vocab_size: int, left_out: list[str] = ()) -> None:
     width = 2 if vocab_size <= 1 << 16 else 4
     tokens = array("H" if width == 2 else "I")
     rows = []
@@ -43,6 +45,8 @@ def write_pack(path: Path, records: list[dict], vocab_size: int) -> None:
     if sys.byteorder != "little":
         tokens.byteswap()
     meta = {"width": width, "vocab_size": vocab_size, "records": rows}
+    if left_out:
+        meta["left_out"] = list(left_out)
     tmp = path.with_name(path.name + ".tmp")
     with lzma.open(tmp, "wb", preset=9 | lzma.PRESET_EXTREME) as f:
         f.write(MAGIC + json.dumps(meta, separators=(",", ":")).encode() + b"\n" + tokens.tobytes())
@@ -75,6 +79,12 @@ def read_pack(path: Path) -> tuple[dict, list[dict]]:
     return meta, records
 
 
+def done_ids(path: Path) -> set[str]:
+    """The prompt ids a pack has settled: those it holds an answer for and those left out."""
+    meta, records = read_pack(path)
+    return {r["id"] for r in records} | set(meta.get("left_out", []))
+
+
 def model_vocab_size(model: str) -> int:
     """The vocabulary size in a model's config.json (a multimodal config's text_config's)."""
     from verispec.models.config import read_config
@@ -96,16 +106,20 @@ def run_pack(args) -> int:
     if not is_pack(out):
         raise UserError(f"--out {out}: a pack's name ends in {SUFFIX}")
     existing: list[dict] = []
+    left_out: list[str] = []
     vocab = args.vocab_size
     if out.is_file():
         meta, existing = read_pack(out)
-        vocab = meta["vocab_size"]
+        vocab, left_out = meta["vocab_size"], meta.get("left_out", [])
     if vocab is None and getattr(args, "model", None):
         vocab = model_vocab_size(args.model)
     if vocab is None:
         raise UserError("a new pack needs the target's vocabulary size (it sets the id width): -m MODEL or --vocab-size")
-    have = {r["id"] for r in existing}
-    added = [r for r in read_records(Path(args.data), min_loss_tokens=0) if r["id"] not in have and "answer_ids" in r]
+    have = {r["id"] for r in existing} | set(left_out)
+    incoming = [r for r in read_records(Path(args.data), min_loss_tokens=0) if r["id"] not in have]
+    added = [r for r in incoming if "answer_ids" in r]
+    # datagen's left-out records (no answer) are settled: their ids travel with the pack
+    left_out += [r["id"] for r in incoming if "answer_ids" not in r and r.get("left_out")]
     # never keep an eval prompt's 8-word run, in a prompt, in an answer, or across the two as the
     # model reads them (a base model's answer continues its prompt's last words: a count "71/ 72/"
     # went on in the answer). datagen checks prompt and answer apart; this is the gate for the
@@ -114,7 +128,9 @@ def run_pack(args) -> int:
         prompts, answer = record_texts(r), r.get("answer") or ""
         return contaminated(*prompts, answer, prompts[-1] + answer)
 
-    fresh = [r for r in added if not spoiled(r)]
+    quoting = {r["id"] for r in added if spoiled(r)}
+    fresh = [r for r in added if r["id"] not in quoting]
+    left_out += [r["id"] for r in added if r["id"] in quoting]
     if len(fresh) < len(added):
         print(f"pack: {len(added) - len(fresh)} records left out: they share an 8-word run with an eval prompt",
               file=sys.stderr)
@@ -123,8 +139,9 @@ def run_pack(args) -> int:
     if too_big:
         raise UserError(f"{args.data}: record {too_big[0]} has token ids beyond the vocabulary of {vocab}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_pack(out, existing + added, vocab)
+    write_pack(out, existing + added, vocab, list(dict.fromkeys(left_out)))
     tokens = sum(len(r["prompt_ids"]) + len(r["answer_ids"]) for r in existing + added)
-    print(f"pack: {len(added)} new records, {len(existing) + len(added)} in all ({tokens} token ids) -> {out} "
-          f"({out.stat().st_size / 2**20:.2f} MB)", file=sys.stderr)
+    settled = len(dict.fromkeys(left_out))
+    print(f"pack: {len(added)} new records, {len(existing) + len(added)} in all ({tokens} token ids), {settled} "
+          f"left-out prompt ids -> {out} ({out.stat().st_size / 2**20:.2f} MB)", file=sys.stderr)
     return 0
