@@ -103,6 +103,42 @@ def test_datagen_takes_every_user_turn_but_never_an_eval_prompt(tmp_path, capsys
     assert (tmp_path / "more.jsonl").read_text() == ""
 
 
+def test_datagen_at_its_deadline_finishes_the_rows_decoding_and_drops_the_queued(tmp_path, capsys, monkeypatch):
+    """--max-minutes: past the deadline no prompt is submitted, a row already decoding is
+    finished and written whole, a row still queued is dropped unwritten, and a rerun writes the
+    rest. Oracle: the same prompts run to completion with no deadline (each answer is the one
+    its prompt gets alone: --batch 1)."""
+    import time
+
+    from verispec.engine.engine import Engine
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"a question about t{i} t{i + 1}"}) + "\n" for i in range(3)))
+    argv = ["dspark", "datagen", "-m", str(ORACLE / "target"), "--prompts", str(prompts), "--max-tokens", "12",
+            "--dtype", "float32", "--quiet", "--batch", "1"]
+    assert main([*argv, "--out", str(tmp_path / "whole.jsonl")]) == 0
+    whole = {r["id"]: r for r in map(json.loads, (tmp_path / "whole.jsonl").read_text().splitlines())}
+    # the clock jumps an hour once the first step has run: one row decodes, one waits behind it
+    stepped, real_clock, real_step = [False], time.perf_counter, Engine.step
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + (3600.0 if stepped[0] else 0.0))
+
+    def step(self):
+        stepped[0] = True
+        return real_step(self)
+
+    monkeypatch.setattr(Engine, "step", step)
+    out = tmp_path / "answers.jsonl"
+    assert main([*argv, "--out", str(out), "--max-minutes", "1"]) == 0
+    assert "stopped after --max-minutes 1" in capsys.readouterr().err
+    monkeypatch.undo()
+    first = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(first) == 1, "the row decoding is written, the queued one is not"
+    assert first[0]["answer_ids"] == whole[first[0]["id"]]["answer_ids"], "finished whole, not cut at the deadline"
+    assert main([*argv, "--out", str(out)]) == 0
+    assert {r["id"]: r["answer_ids"] for r in map(json.loads, out.read_text().splitlines())} == \
+        {k: r["answer_ids"] for k, r in whole.items()}
+
+
 def test_a_base_model_continues_each_user_turn_as_raw_text(tmp_path):
     """A model without a chat template (a base model such as gemma3-270m) gets each distinct user
     turn's text alone as a raw completion prompt (oracle: the tokenizer's own encoding with its

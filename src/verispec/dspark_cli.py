@@ -52,8 +52,9 @@ a whole run for the default model (each command can be stopped and rerun; README
     gen.add_argument("--top-p", type=float, default=0.8)
     gen.add_argument("--top-k", type=int, default=20)
     gen.add_argument("--max-minutes", type=float, default=None,
-                     help="submit no new prompts after this long; the answers in flight are finished and written "
-                          "(rerun the same command to continue)")
+                     help="submit no new prompts after this long; the answers already decoding are finished and "
+                          "written (at most one answer's length more), those still queued are dropped (rerun the "
+                          "same command to continue)")
     gen.add_argument("--batch", type=int, default=32, help="rows decoded together (default 32)")
     gen.add_argument("--packed", action="append", default=[], metavar="PACK",
                      help="a pack (`verispec dspark pack`) whose records count as done: continue a committed data set "

@@ -244,7 +244,7 @@ def run_datagen(args) -> int:
     from tqdm.auto import tqdm
 
     from verispec.engine.engine import Engine, EngineConfig
-    from verispec.engine.request import GenerationRequest
+    from verispec.engine.request import FINISH_ABORT, GenerationRequest
     from verispec.engine.sampling import SamplingParams
     from verispec.models.loader import load_for_serving, load_model, resolve_dtype
     from verispec.models.registry import DEFAULT_MODEL
@@ -295,6 +295,8 @@ def run_datagen(args) -> int:
     finished: list[tuple[dict, object]] = []
     pending = iter(todo)
     in_flight = 0
+    requests: dict[str, str] = {}  # record id -> request id, for the answers in flight
+    started: set[str] = set()  # record ids whose answers have their first token
     tokens = written = answers_left_out = 0
     generated = [0]  # tokens the engine has emitted so far, finished rows or not (the bar's rate)
     start = last_shown = time.perf_counter()
@@ -304,8 +306,13 @@ def run_datagen(args) -> int:
                                                     file=sys.stderr, disable=args.quiet) as bar:
         while True:
             if deadline is not None and not stopped_early and time.perf_counter() > deadline:
-                stopped_early = True  # submit nothing more; the rows in flight finish and are written
+                # submit nothing more; the rows decoding finish and are written, the rows still queued
+                # (up to a batch of them) are dropped: nothing of theirs is lost, a rerun asks them
+                stopped_early = True
                 pending = iter(())
+                for key, request_id in requests.items():
+                    if key not in started:
+                        engine.cancel(request_id)
             while in_flight < 2 * args.batch:
                 item = next(pending, None)
                 if item is None:
@@ -320,8 +327,8 @@ def run_datagen(args) -> int:
                     record["messages"] = messages
                 params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                         seed=int(key, 16) % (2**31))
-                engine.submit(GenerationRequest(prompt_ids, args.max_tokens, params),
-                              _collect(record, finished, generated))
+                requests[key] = engine.submit(GenerationRequest(prompt_ids, args.max_tokens, params),
+                                              _collect(record, finished, generated, started))
                 in_flight += 1
             if in_flight == 0:
                 break
@@ -333,8 +340,9 @@ def run_datagen(args) -> int:
             for record, completion in finished:
                 in_flight -= 1
                 bar.update(1)
-                if completion is None:  # that row failed; not written, so a rerun retries it
-                    continue
+                requests.pop(record["id"], None)
+                if completion is None or completion.finish_reason == FINISH_ABORT:
+                    continue  # failed, or dropped at the deadline before it began: not written, a rerun asks it
                 ids = list(completion.token_ids)
                 if completion.finish_reason == "stop" and eos is not None:
                     ids.append(eos)
@@ -368,9 +376,9 @@ def record_texts(record: dict) -> list[str]:
     return [m["content"] for m in record["messages"]] if record.get("messages") else [record.get("prompt") or ""]
 
 
-def _collect(record: dict, finished: list, generated: list[int] | None = None):
-    """A sink assembling one request's answer; appends (record, Completion) when done and
-    adds each token it receives to `generated[0]`."""
+def _collect(record: dict, finished: list, generated: list[int] | None = None, started: set[str] | None = None):
+    """A sink assembling one request's answer; appends (record, Completion) when done, adds
+    each token it receives to `generated[0]` and the record's id to `started` at its first."""
     from verispec.engine.request import Completion
 
     parts, tokens = [], []
@@ -380,6 +388,8 @@ def _collect(record: dict, finished: list, generated: list[int] | None = None):
         tokens.extend(t.token for t in out.tokens)
         if generated is not None:
             generated[0] += len(out.tokens)
+        if started is not None and out.tokens:
+            started.add(record["id"])
         if out.finished:
             if out.error:
                 finished.append((record, None))
