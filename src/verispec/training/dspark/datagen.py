@@ -294,7 +294,6 @@ def run_datagen(args) -> int:
           file=sys.stderr)
     finished: list[tuple[dict, object]] = []
     pending = iter(todo)
-    in_flight = 0
     requests: dict[str, str] = {}  # record id -> request id, for the answers in flight
     started: set[str] = set()  # record ids whose answers have their first token
     tokens = written = answers_left_out = 0
@@ -313,7 +312,7 @@ def run_datagen(args) -> int:
                 for key, request_id in requests.items():
                     if key not in started:
                         engine.cancel(request_id)
-            while in_flight < 2 * args.batch:
+            while len(requests) < 2 * args.batch:
                 item = next(pending, None)
                 if item is None:
                     break
@@ -329,8 +328,7 @@ def run_datagen(args) -> int:
                                         seed=int(key, 16) % (2**31))
                 requests[key] = engine.submit(GenerationRequest(prompt_ids, args.max_tokens, params),
                                               _collect(record, finished, generated, started))
-                in_flight += 1
-            if in_flight == 0:
+            if not requests:
                 break
             engine.step()
             now = time.perf_counter()
@@ -338,9 +336,8 @@ def run_datagen(args) -> int:
                 bar.set_postfix(tok_s=f"{generated[0] / (now - start):.0f}")
                 last_shown = now
             for record, completion in finished:
-                in_flight -= 1
                 bar.update(1)
-                requests.pop(record["id"], None)
+                del requests[record["id"]]
                 if completion is None or completion.finish_reason == FINISH_ABORT:
                     continue  # failed, or dropped at the deadline before it began: not written, a rerun asks it
                 ids = list(completion.token_ids)

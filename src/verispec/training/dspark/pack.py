@@ -139,9 +139,9 @@ def run_pack(args) -> int:
     if too_big:
         raise UserError(f"{args.data}: record {too_big[0]} has token ids beyond the vocabulary of {vocab}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_pack(out, existing + added, vocab, list(dict.fromkeys(left_out)))
+    left_out = list(dict.fromkeys(left_out))
+    write_pack(out, existing + added, vocab, left_out)
     tokens = sum(len(r["prompt_ids"]) + len(r["answer_ids"]) for r in existing + added)
-    settled = len(dict.fromkeys(left_out))
-    print(f"pack: {len(added)} new records, {len(existing) + len(added)} in all ({tokens} token ids), {settled} "
+    print(f"pack: {len(added)} new records, {len(existing) + len(added)} in all ({tokens} token ids), {len(left_out)} "
           f"left-out prompt ids -> {out} ({out.stat().st_size / 2**20:.2f} MB)", file=sys.stderr)
     return 0
