@@ -15,6 +15,18 @@ measurement).
     .venv/bin/python bench/dspark_feature_source.py --data data/dspark/smollm2-135m-instruct/regenerated.pack.xz
     .venv/bin/python bench/dspark_feature_source.py --data work/answers.jsonl --sequences 200 --steps 40
 
+`--features FOLDER` instead of `--data` asks the question again at a campaign's size, on a bf16
+features folder that exists (stage 28: gemma3's had outgrown the page cache): the folder is
+recast to fp8 (`dspark features --from-features`, timed; into `--fp8-out`, kept, or a temporary
+folder), then each store trains `--steps` steps from `--init-from` with the same seed and the
+same samples, and both checkpoints are validated on the bf16 held-out sequences (what serving
+reads). Reported: bytes per token, mean step seconds and tokens/s (the first `--warmup` steps
+left out), held-out teacher-forced tau. The fp8 folder is read once before its run, as a
+campaign's later epochs would find it; the bf16 folder is read as it comes.
+
+    .venv/bin/python bench/dspark_feature_source.py --features work/gemma3/features-served \
+        --model gemma3-270m --init-from gemma3-270m --steps 60 --holdout 40 --fp8-out work/gemma3/features-fp8
+
 Prints a table, one JSON line, and the CPU. The machine should be otherwise idle.
 """
 
@@ -24,6 +36,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import sys
 import tempfile
 import time
@@ -45,7 +58,15 @@ def cli(argv: list[str]) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True, help="datagen JSONL or pack")
+    ap.add_argument("--data", default=None, help="datagen JSONL or pack (builds each cache from it)")
+    ap.add_argument("--features", default=None, help="instead of --data: an existing bf16 features folder, trained on "
+                    "as it is and recast to fp8")
+    ap.add_argument("--init-from", default=None, help="with --features: the drafter both runs start from")
+    ap.add_argument("--fp8-out", default=None, help="with --features: keep the fp8 folder here (resumes a recast)")
+    ap.add_argument("--warmup", type=int, default=5, help="with --features: steps left out of the step time (default 5)")
+    ap.add_argument("--fly-data", default=None, help="with --features: also time training on the fly from these records "
+                    "(the folder's datagen file or pack), for --fly-steps steps")
+    ap.add_argument("--fly-steps", type=int, default=8, help="with --fly-data (default 8; no tau: too few steps)")
     ap.add_argument("--model", "-m", default="smollm2-135m-instruct")
     ap.add_argument("--sequences", type=int, default=240, help="records used (default 240)")
     ap.add_argument("--steps", type=int, default=30, help="optimizer steps per source (default 30)")
@@ -58,6 +79,10 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if bool(args.data) == bool(args.features):
+        raise SystemExit("one of --data (build the caches) or --features (an existing bf16 folder)")
+    if args.features:
+        return stores(args)
     from verispec.models.kernel_plan import cpu_name
     from verispec.models.loader import load_model, resolve_dtype
     from verispec.training.dspark.features import default_taps, read_records
@@ -111,6 +136,85 @@ def main() -> int:
     for r in rows:
         print(f"{r['source']:<13}{','.join(map(str, r['taps'])):<18}{r['build_s']:>8.0f}{r['bytes_per_token']:>9}"
               f"{r['train_tok_s']:>12.1f}{r['tau_val']:>9.3f}{r['campaign_hours']:>11.2f}{r['campaign_disk_gib']:>9.1f}")
+    print(json.dumps(result))
+    return 0
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def read_through(folder: Path) -> float:
+    """Reads every file of a folder once (into the page cache, where it fits); seconds."""
+    start = time.perf_counter()
+    for path in sorted(folder.iterdir()):
+        with path.open("rb") as f:
+            while f.read(1 << 24):
+                pass
+    return time.perf_counter() - start
+
+
+def stores(args) -> int:
+    """The bf16 folder against its fp8 recast: disk, step time, held-out tau on bf16 features."""
+    from verispec.models.kernel_plan import cpu_name
+
+    bf16 = Path(args.features)
+    manifest = json.loads((bf16 / "manifest.json").read_text())
+    if manifest.get("store", "bf16") != "bf16":
+        raise SystemExit(f"{bf16} is stored as {manifest['store']}; --features wants a bf16 folder")
+    common = ["dspark", "train", "--batch", str(args.batch), "--holdout", str(args.holdout), "--seed", "7",
+              "--threads", str(args.threads), "--log-every", "1"]
+    if args.init_from:
+        common += ["--init-from", args.init_from]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        fp8 = Path(args.fp8_out) if args.fp8_out else Path(tmp) / "fp8"
+        recast_s = cli(["dspark", "features", "--from-features", str(bf16), "--out", str(fp8), "--store", "fp8",
+                        "--quiet"])
+        for store, folder in (("bf16", bf16), ("fp8", fp8)):
+            warm_s = read_through(folder) if store == "fp8" else 0.0
+            run = Path(tmp) / f"run-{store}"
+            cli([*common, "--features", str(folder), "--steps", str(args.steps), "--save-every", str(args.steps),
+                 "--out", str(run)])
+            metrics = read_jsonl(run / "metrics.jsonl")[args.warmup:]
+            step_s = sum(m["seconds"] for m in metrics) / len(metrics)
+            step_tokens = sum(m["tokens"] for m in metrics) / len(metrics)
+            # held-out tau on the bf16 features: a one-step warm restart validates its start (step 0)
+            check = Path(tmp) / f"check-{store}"
+            cli(["dspark", "train", "--features", str(bf16), "--holdout", str(args.holdout), "--batch", "1",
+                 "--threads", str(args.threads), "--init-from", str(run / f"step_{args.steps}"), "--steps", "1",
+                 "--save-every", "1000", "--out", str(check)])
+            tau = read_jsonl(check / "validation.jsonl")[0]["tau_probabilistic"]
+            m = json.loads((folder / "manifest.json").read_text())
+            rows.append({"store": store, "gib": round(m["bytes"] / 2**30, 2),
+                         "bytes_per_token": round(m["bytes"] / m["tokens"]), "read_s": round(warm_s, 1),
+                         "step_s": round(step_s, 3), "train_tok_s": round(step_tokens / step_s, 1),
+                         "tau_val_bf16": round(tau, 4)})
+        if args.fly_data:
+            run = Path(tmp) / "run-fly"
+            taps = ",".join(map(str, manifest["target_layer_ids"]))
+            cli([*common, "--data", args.fly_data, "-m", args.model, "--taps", taps, "--steps", str(args.fly_steps),
+                 "--save-every", str(args.fly_steps), "--out", str(run)])
+            metrics = read_jsonl(run / "metrics.jsonl")[1:]
+            step_s = sum(m["seconds"] for m in metrics) / len(metrics)
+            step_tokens = sum(m["tokens"] for m in metrics) / len(metrics)
+            rows.append({"store": "on the fly", "gib": 0.0, "bytes_per_token": 0, "read_s": 0.0,
+                         "step_s": round(step_s, 3), "train_tok_s": round(step_tokens / step_s, 1),
+                         "tau_val_bf16": None})
+    result = {"bench": "dspark_feature_source", "mode": "stores", "model": args.model, "cpu": cpu_name(),
+              "threads": args.threads, "features": str(bf16), "sequences": manifest["records"],
+              "tokens": manifest["tokens"], "steps": args.steps, "batch": args.batch, "init_from": args.init_from,
+              "recast_s": round(recast_s, 1), "memory_gib": round(os.sysconf("SC_PAGE_SIZE")
+                                                                  * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+              "rows": rows}
+    print(f"{args.model}, {cpu_name()}, {args.threads} threads; {manifest['records']} sequences "
+          f"({manifest['tokens']} tokens), {args.steps} steps of {args.batch} from {args.init_from or 'scratch'}; "
+          f"{result['memory_gib']} GiB of memory; recast to fp8 in {recast_s:.0f} s")
+    print(f"{'store':<11}{'GiB':>7}{'B/token':>9}{'step s':>8}{'train tok/s':>12}{'held-out tau (bf16)':>21}")
+    for r in rows:
+        tau = "-" if r["tau_val_bf16"] is None else f"{r['tau_val_bf16']:.4f}"
+        print(f"{r['store']:<11}{r['gib']:>7.2f}{r['bytes_per_token']:>9}{r['step_s']:>8.2f}{r['train_tok_s']:>12.1f}"
+              f"{tau:>21}")
     print(json.dumps(result))
     return 0
 

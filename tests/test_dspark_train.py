@@ -580,3 +580,71 @@ def test_a_features_folder_holds_one_kind_of_target(features, tmp_path, capsys):
     (named / "manifest.json").write_text(json.dumps({**manifest, "target_name": "gemma3-270m"}))
     assert main([*common, "--out", str(named)]) != 0
     assert "holds features of gemma3-270m" in capsys.readouterr().err
+
+
+def _shards(folder: Path) -> list[dict]:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    return [load_file(str(folder / s["file"])) for s in manifest["shards"]]
+
+
+def test_fp8_features_hold_the_bf16_features_within_e4m3s_half_step(features, tmp_path, capsys):
+    """`features --store fp8`: oracle, the bf16 features of the same records (the default
+    store): every tap and final-hidden element within e4m3's half step of its own value (2^-4
+    relative; 2^-10 of the row's scale where e4m3 runs out of exponent) plus bf16's rounding
+    on reading; ids, masks and logsumexps unchanged; under 60% of the bytes."""
+    from verispec.training.dspark.features import FeatureCache
+
+    answers = str(features.parent / "answers.jsonl")
+    fp8 = tmp_path / "fp8"
+    assert main(["dspark", "features", "-m", str(ORACLE / "target"), "--data", answers, "--out", str(fp8),
+                 "--taps", "0,2,4", "--shard-size", "6", "--dtype", "float32", "--quiet", "--store", "fp8"]) == 0
+    assert "as fp8" in capsys.readouterr().err
+    exact, stored = FeatureCache([features]), FeatureCache([fp8])
+    assert len(exact) == len(stored) > 0
+    for i in range(len(exact)):
+        a, b = exact[i], stored[i]
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+        assert torch.equal(a.lse, b.lse)
+        for name, groups in (("taps", 3), ("last_hidden", 1)):
+            x, y = getattr(a, name).float(), getattr(b, name)
+            assert y.dtype == torch.bfloat16 and y.shape == x.shape
+            rows = x.view(x.shape[0], groups, -1)
+            scale = rows.abs().amax(-1, keepdim=True) / 448
+            bound = rows.abs() * (2**-4 + 2**-8) + scale * 2**-10
+            err = (y.float().view_as(rows) - rows).abs()
+            assert bool((err <= bound).all()), (name, float((err - bound).max()))
+            assert float(err.max()) > 0  # it is rounded: the test sees the store, not the bf16 folder twice
+    sizes = [json.loads((f / "manifest.json").read_text())["bytes"] for f in (features, fp8)]
+    assert sizes[1] < 0.6 * sizes[0], sizes
+    # a folder keeps its store: resuming it with the other one is refused, with the way out named
+    assert main(["dspark", "features", "-m", str(ORACLE / "target"), "--data", answers, "--out", str(fp8),
+                 "--taps", "0,2,4", "--dtype", "float32", "--quiet", "--store", "bf16"]) != 0
+    assert "stores its features as fp8" in capsys.readouterr().err
+    # training reads either store, and both mixed
+    assert main(["dspark", "train", "--features", f"{fp8},{features}", "--out", str(tmp_path / "run"), *TRAIN,
+                 "--steps", "2", "--save-every", "2"]) == 0
+    assert (tmp_path / "run" / "step_2" / "model.safetensors").is_file()
+
+
+def test_fp8_features_recast_from_a_bf16_folder_equal_those_computed_directly(features, tmp_path):
+    """`features --from-features BF16 --store fp8`: no target forward, and the same bytes as
+    `--store fp8` from the records (oracle: the direct run); an interrupted recast resumes."""
+    answers = str(features.parent / "answers.jsonl")
+    direct, recast = tmp_path / "direct", tmp_path / "recast"
+    assert main(["dspark", "features", "-m", str(ORACLE / "target"), "--data", answers, "--out", str(direct),
+                 "--taps", "0,2,4", "--shard-size", "6", "--dtype", "float32", "--quiet", "--store", "fp8"]) == 0
+    assert main(["dspark", "features", "--from-features", str(features), "--out", str(recast), "--store", "fp8",
+                 "--quiet"]) == 0
+    manifest = json.loads((recast / "manifest.json").read_text())
+    assert len(manifest["shards"]) > 1 and manifest["complete"]
+    # interrupted after its first shard: the rerun writes the rest
+    cut = {**manifest, "shards": manifest["shards"][:1], "records": manifest["shards"][0]["records"],
+           "tokens": manifest["shards"][0]["tokens"], "complete": False}
+    (recast / "manifest.json").write_text(json.dumps(cut))
+    assert main(["dspark", "features", "--from-features", str(features), "--out", str(recast), "--quiet"]) == 0
+    assert json.loads((recast / "manifest.json").read_text())["records"] == manifest["records"]
+    for a, b in zip(_shards(direct), _shards(recast), strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
+    assert main(["dspark", "features", "--from-features", str(features), "--out", str(features), "--quiet"]) != 0

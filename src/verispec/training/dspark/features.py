@@ -10,6 +10,10 @@ position what the DSpark loss needs (dspark-spec.md §6.1's target cache, scaled
                                  exact target log-probs on it)
     input_ids    int32 [T], loss_mask uint8 [T] (1 on answer tokens, the final stop token included)
 
+`--store fp8` keeps taps and last_hidden as float8 e4m3 with a float32 scale per row of each
+tap (`taps_scale`, `last_hidden_scale`) in about half the disk; reading gives bf16 either way
+(feature_store.py: why e4m3, what it changes). `--from-features` recasts a folder's shards.
+
 Shards of `--shard-size` records are written atomically as safetensors files
 (`shard-00000.safetensors`: the fields above concatenated, plus `offsets` [n+1]) and listed
 in `manifest.json` after each one, so an interrupted run continues from the next shard.
@@ -52,10 +56,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from verispec.errors import UserError
+from verispec.training.dspark.feature_store import STORES, encode, read_rows, store_of
 
 MANIFEST = "manifest.json"
 VERSION = 1
 PLANS = ("served", "dtype")
+DEFAULT_STORE = "bf16"  # what a new folder is written in without --store (campaign stage 28 decides)
 
 
 def load_target(model: str | None, dtype: str, plan: str = "served"):
@@ -146,13 +152,42 @@ def write_manifest(folder: Path, manifest: dict) -> None:
     os.replace(tmp, folder / MANIFEST)
 
 
+def chosen_store(args, manifest: dict | None, out: Path) -> str:
+    """--store, else the folder's own (a resumed folder keeps its store), else the default."""
+    asked = getattr(args, "store", None)
+    if asked is not None and asked not in STORES:
+        raise UserError(f"--store must be one of {', '.join(STORES)}, not {asked!r}")
+    if manifest is not None and asked is not None and store_of(manifest) != asked:
+        raise UserError(f"{out} stores its features as {store_of(manifest)}, not {asked}: a folder holds one store; "
+                        f"resume it without --store, or use a new --out folder")
+    return store_of(manifest) if manifest is not None else asked or DEFAULT_STORE
+
+
+def save_shard(out: Path, manifest: dict, tensors: dict, records: int) -> None:
+    """Writes the next shard atomically and lists it in the manifest (written after it)."""
+    name = f"shard-{len(manifest['shards']):05d}.safetensors"
+    save_file(tensors, str(out / (name + ".partial")))
+    os.replace(out / (name + ".partial"), out / name)
+    tokens = int(tensors["offsets"][-1])
+    manifest["shards"].append({"file": name, "records": records, "tokens": tokens})
+    manifest["records"] += records
+    manifest["tokens"] += tokens
+    manifest["bytes"] += (out / name).stat().st_size
+    write_manifest(out, manifest)
+
+
 def run_features(args) -> int:
     from tqdm.auto import tqdm
 
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
+    if getattr(args, "from_features", None):
+        return recast_folder(Path(args.from_features), out, chosen_store(args, load_manifest(out), out), args.quiet)
+    if not args.data:
+        raise UserError("dspark features needs --data (datagen records), or --from-features (a folder to recast)")
     out.mkdir(parents=True, exist_ok=True)
+    store = chosen_store(args, load_manifest(out), out)
     records = read_records(Path(args.data))
     if not records:
         raise UserError(f"{args.data}: no datagen records with answers (run `verispec dspark datagen` first)")
@@ -165,7 +200,7 @@ def run_features(args) -> int:
         "version": VERSION, "target": str(loaded.folder), "target_name": loaded.name, "target_layer_ids": taps,
         "hidden_size": args_m.hidden_size, "num_target_layers": args_m.num_layers, "vocab_size": args_m.vocab_size,
         "data": str(Path(args.data).resolve()), "shard_size": args.shard_size, "shards": [], "records": 0,
-        "tokens": 0, "bytes": 0, "complete": False,
+        "tokens": 0, "bytes": 0, "complete": False, "store": store,
     }
     if manifest.get("target_name") and manifest["target_name"] != loaded.name:
         raise UserError(f"{out} holds features of {manifest['target_name']}, not {loaded.name}: to resume it, "
@@ -188,23 +223,57 @@ def run_features(args) -> int:
             for record in batch:
                 parts.append(sequence_features(loaded.model, record["prompt_ids"], record["answer_ids"], taps))
                 bar.update(1)
-            index = len(manifest["shards"])
-            name = f"shard-{index:05d}.safetensors"
             tensors = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
             tensors["offsets"] = torch.tensor([0] + [len(p["input_ids"]) for p in parts]).cumsum(0)
-            save_file(tensors, str(out / (name + ".partial")))
-            os.replace(out / (name + ".partial"), out / name)
-            size = (out / name).stat().st_size
-            manifest["shards"].append({"file": name, "records": len(batch), "tokens": int(tensors["offsets"][-1])})
-            manifest["records"] += len(batch)
-            manifest["tokens"] += int(tensors["offsets"][-1])
-            manifest["bytes"] += size
-            write_manifest(out, manifest)
+            save_shard(out, manifest, encode(tensors, store, len(taps)), len(batch))
     manifest["complete"] = manifest["records"] == len(records)
     write_manifest(out, manifest)
+    _report(manifest, t0, out)
+    return 0
+
+
+def _report(manifest: dict, t0: float, out: Path) -> None:
     print(f"features: {manifest['records']} sequences, {manifest['tokens']} tokens, "
-          f"{manifest['bytes'] / 2**30:.2f} GiB on disk ({manifest['bytes'] / max(1, manifest['tokens']) / 1024:.1f} KiB "
-          f"per token), {time.perf_counter() - t0:.0f} s this run -> {out}", file=sys.stderr)
+          f"{manifest['bytes'] / 2**30:.2f} GiB on disk as {store_of(manifest)} "
+          f"({manifest['bytes'] / max(1, manifest['tokens']) / 1024:.1f} KiB per token), "
+          f"{time.perf_counter() - t0:.0f} s this run -> {out}", file=sys.stderr)
+
+
+def recast_folder(source: Path, out: Path, store: str, quiet: bool = False) -> int:
+    """`dspark features --from-features SOURCE --out OUT --store S`: SOURCE's shards rewritten in
+    another store, shard by shard and resumable, with no target forward (bf16 -> fp8 halves
+    the disk; fp8 -> bf16 gives the dequantized values, not the original bits)."""
+    from tqdm.auto import tqdm
+    from safetensors import safe_open
+
+    manifest_in = load_manifest(source)
+    if manifest_in is None:
+        raise UserError(f"{source}: no {MANIFEST} (run `verispec dspark features` first)")
+    if source.resolve() == out.resolve():
+        raise UserError("--from-features and --out are the same folder: recast into a new one")
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = load_manifest(out)
+    if manifest is None:
+        manifest = {**manifest_in, "shards": [], "records": 0, "tokens": 0, "bytes": 0, "complete": False,
+                    "store": store, "recast_from": str(source.resolve())}
+    elif manifest.get("recast_from") != str(source.resolve()):
+        raise UserError(f"{out} holds features that were not recast from {source}; use a new --out folder")
+    num_taps = len(manifest_in["target_layer_ids"])
+    t0 = time.perf_counter()
+    todo = manifest_in["shards"][len(manifest["shards"]):]
+    with tqdm(total=len(manifest_in["shards"]), initial=len(manifest["shards"]), unit="shard", desc="recast",
+              file=sys.stderr, disable=quiet) as bar:
+        for shard in todo:
+            with safe_open(str(source / shard["file"]), "pt") as f:
+                n = int(f.get_slice("offsets")[-1:].item())
+                tensors = {k: f.get_tensor(k) for k in f.keys() if k not in ("taps", "last_hidden")
+                           and not k.endswith("_scale")}
+                tensors["taps"], tensors["last_hidden"] = read_rows(f, "taps", 0, n), read_rows(f, "last_hidden", 0, n)
+            save_shard(out, manifest, encode(tensors, store, num_taps), shard["records"])
+            bar.update(1)
+    manifest["complete"] = manifest_in.get("complete", False) and len(manifest["shards"]) == len(manifest_in["shards"])
+    write_manifest(out, manifest)
+    _report(manifest, t0, out)
     return 0
 
 
@@ -320,7 +389,7 @@ class FeatureCache:
         return Sample(
             input_ids=f.get_slice("input_ids")[a:b].long(),
             loss_mask=f.get_slice("loss_mask")[a:b].float(),
-            taps=f.get_slice("taps")[a:b],
-            last_hidden=f.get_slice("last_hidden")[a:b],
+            taps=read_rows(f, "taps", a, b),
+            last_hidden=read_rows(f, "last_hidden", a, b),
             lse=f.get_slice("lse")[a:b],
         )
