@@ -37,6 +37,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -63,6 +64,11 @@ def main() -> int:
                     "as it is and recast to fp8")
     ap.add_argument("--init-from", default=None, help="with --features: the drafter both runs start from")
     ap.add_argument("--fp8-out", default=None, help="with --features: keep the fp8 folder here (resumes a recast)")
+    ap.add_argument("--lr", type=float, default=None, help="with --features: train's --lr (default: train's)")
+    ap.add_argument("--keep-metrics", default=None, help="with --features: copy each run's metrics.jsonl here")
+    ap.add_argument("--control-seed", type=int, default=None,
+                    help="with --features: one more bf16 run with this seed (the runs use 7), so the fp8 run's tau "
+                         "difference is read against what another sample order alone moves")
     ap.add_argument("--warmup", type=int, default=5, help="with --features: steps left out of the step time (default 5)")
     ap.add_argument("--fly-data", default=None, help="with --features: also time training on the fly from these records "
                     "(the folder's datagen file or pack), for --fly-steps steps")
@@ -154,6 +160,15 @@ def read_through(folder: Path) -> float:
     return time.perf_counter() - start
 
 
+def held_out_tau(args, bf16: Path, drafter, out: Path) -> float:
+    """Teacher-forced tau of `drafter` on the bf16 folder's held-out sequences: a one-step warm
+    restart validates where it starts (step 0 of its validation.jsonl)."""
+    cli(["dspark", "train", "--features", str(bf16), "--holdout", str(args.holdout), "--batch", "1",
+         "--threads", str(args.threads), "--init-from", str(drafter), "--steps", "1", "--save-every", "1000",
+         "--out", str(out)])
+    return read_jsonl(out / "validation.jsonl")[0]["tau_probabilistic"]
+
+
 def stores(args) -> int:
     """The bf16 folder against its fp8 recast: disk, step time, held-out tau on bf16 features."""
     from verispec.models.kernel_plan import cpu_name
@@ -162,31 +177,34 @@ def stores(args) -> int:
     manifest = json.loads((bf16 / "manifest.json").read_text())
     if manifest.get("store", "bf16") != "bf16":
         raise SystemExit(f"{bf16} is stored as {manifest['store']}; --features wants a bf16 folder")
-    common = ["dspark", "train", "--batch", str(args.batch), "--holdout", str(args.holdout), "--seed", "7",
+    common = ["dspark", "train", "--batch", str(args.batch), "--holdout", str(args.holdout),
               "--threads", str(args.threads), "--log-every", "1"]
     if args.init_from:
         common += ["--init-from", args.init_from]
+    if args.lr:
+        common += ["--lr", str(args.lr)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        start_tau = held_out_tau(args, bf16, args.init_from, Path(tmp) / "check-start") if args.init_from else None
         fp8 = Path(args.fp8_out) if args.fp8_out else Path(tmp) / "fp8"
         recast_s = cli(["dspark", "features", "--from-features", str(bf16), "--out", str(fp8), "--store", "fp8",
                         "--quiet"])
-        for store, folder in (("bf16", bf16), ("fp8", fp8)):
-            warm_s = read_through(folder) if store == "fp8" else 0.0
-            run = Path(tmp) / f"run-{store}"
-            cli([*common, "--features", str(folder), "--steps", str(args.steps), "--save-every", str(args.steps),
-                 "--out", str(run)])
+        arms = [("bf16", bf16, 7), ("fp8", fp8, 7)]
+        if args.control_seed is not None:
+            arms.insert(1, (f"bf16 s{args.control_seed}", bf16, args.control_seed))
+        for store, folder, seed in arms:
+            warm_s = read_through(folder) if folder == fp8 else 0.0
+            run = Path(tmp) / f"run-{store.replace(' ', '-')}"
+            cli([*common, "--features", str(folder), "--seed", str(seed), "--steps", str(args.steps),
+                 "--save-every", str(args.steps), "--out", str(run)])
             metrics = read_jsonl(run / "metrics.jsonl")[args.warmup:]
+            if args.keep_metrics:
+                shutil.copy(run / "metrics.jsonl", Path(args.keep_metrics) / f"metrics-{store.replace(' ', '-')}.jsonl")
             step_s = sum(m["seconds"] for m in metrics) / len(metrics)
             step_tokens = sum(m["tokens"] for m in metrics) / len(metrics)
-            # held-out tau on the bf16 features: a one-step warm restart validates its start (step 0)
-            check = Path(tmp) / f"check-{store}"
-            cli(["dspark", "train", "--features", str(bf16), "--holdout", str(args.holdout), "--batch", "1",
-                 "--threads", str(args.threads), "--init-from", str(run / f"step_{args.steps}"), "--steps", "1",
-                 "--save-every", "1000", "--out", str(check)])
-            tau = read_jsonl(check / "validation.jsonl")[0]["tau_probabilistic"]
+            tau = held_out_tau(args, bf16, run / f"step_{args.steps}", Path(tmp) / f"check-{store.replace(' ', '-')}")
             m = json.loads((folder / "manifest.json").read_text())
-            rows.append({"store": store, "gib": round(m["bytes"] / 2**30, 2),
+            rows.append({"store": store, "seed": seed, "gib": round(m["bytes"] / 2**30, 2),
                          "bytes_per_token": round(m["bytes"] / m["tokens"]), "read_s": round(warm_s, 1),
                          "step_s": round(step_s, 3), "train_tok_s": round(step_tokens / step_s, 1),
                          "tau_val_bf16": round(tau, 4)})
@@ -198,18 +216,20 @@ def stores(args) -> int:
             metrics = read_jsonl(run / "metrics.jsonl")[1:]
             step_s = sum(m["seconds"] for m in metrics) / len(metrics)
             step_tokens = sum(m["tokens"] for m in metrics) / len(metrics)
-            rows.append({"store": "on the fly", "gib": 0.0, "bytes_per_token": 0, "read_s": 0.0,
+            rows.append({"store": "on the fly", "seed": 7, "gib": 0.0, "bytes_per_token": 0, "read_s": 0.0,
                          "step_s": round(step_s, 3), "train_tok_s": round(step_tokens / step_s, 1),
                          "tau_val_bf16": None})
     result = {"bench": "dspark_feature_source", "mode": "stores", "model": args.model, "cpu": cpu_name(),
               "threads": args.threads, "features": str(bf16), "sequences": manifest["records"],
               "tokens": manifest["tokens"], "steps": args.steps, "batch": args.batch, "init_from": args.init_from,
+              "lr": args.lr, "tau_val_bf16_start": start_tau,
               "recast_s": round(recast_s, 1), "memory_gib": round(os.sysconf("SC_PAGE_SIZE")
                                                                   * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
               "rows": rows}
     print(f"{args.model}, {cpu_name()}, {args.threads} threads; {manifest['records']} sequences "
           f"({manifest['tokens']} tokens), {args.steps} steps of {args.batch} from {args.init_from or 'scratch'}; "
-          f"{result['memory_gib']} GiB of memory; recast to fp8 in {recast_s:.0f} s")
+          f"{result['memory_gib']} GiB of memory; recast to fp8 in {recast_s:.0f} s"
+          + (f"; held-out tau {start_tau:.4f} at the start" if start_tau is not None else ""))
     print(f"{'store':<11}{'GiB':>7}{'B/token':>9}{'step s':>8}{'train tok/s':>12}{'held-out tau (bf16)':>21}")
     for r in rows:
         tau = "-" if r["tau_val_bf16"] is None else f"{r['tau_val_bf16']:.4f}"

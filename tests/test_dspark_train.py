@@ -588,10 +588,10 @@ def _shards(folder: Path) -> list[dict]:
 
 
 def test_fp8_features_hold_the_bf16_features_within_e4m3s_half_step(features, tmp_path, capsys):
-    """`features --store fp8`: oracle, the bf16 features of the same records (the default
-    store): every tap and final-hidden element within e4m3's half step of its own value (2^-4
-    relative; 2^-10 of the row's scale where e4m3 runs out of exponent) plus bf16's rounding
-    on reading; ids, masks and logsumexps unchanged; under 60% of the bytes."""
+    """`features --store fp8`: oracle, the bf16 features of the same records: every tap
+    element within e4m3's half step of its own value (2^-4 relative; 2^-10 of the row's scale
+    where e4m3 runs out of exponent) plus bf16's rounding on reading; the final hidden state
+    (the teacher), ids, masks and logsumexps bit-equal; under 70% of the bytes."""
     from verispec.training.dspark.features import FeatureCache
 
     answers = str(features.parent / "answers.jsonl")
@@ -604,18 +604,17 @@ def test_fp8_features_hold_the_bf16_features_within_e4m3s_half_step(features, tm
     for i in range(len(exact)):
         a, b = exact[i], stored[i]
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
-        assert torch.equal(a.lse, b.lse)
-        for name, groups in (("taps", 3), ("last_hidden", 1)):
-            x, y = getattr(a, name).float(), getattr(b, name)
-            assert y.dtype == torch.bfloat16 and y.shape == x.shape
-            rows = x.view(x.shape[0], groups, -1)
-            scale = rows.abs().amax(-1, keepdim=True) / 448
-            bound = rows.abs() * (2**-4 + 2**-8) + scale * 2**-10
-            err = (y.float().view_as(rows) - rows).abs()
-            assert bool((err <= bound).all()), (name, float((err - bound).max()))
-            assert float(err.max()) > 0  # it is rounded: the test sees the store, not the bf16 folder twice
+        assert torch.equal(a.lse, b.lse) and torch.equal(a.last_hidden, b.last_hidden)
+        x, y = a.taps.float(), b.taps
+        assert y.dtype == torch.bfloat16 and y.shape == x.shape
+        rows = x.view(x.shape[0], 3, -1)
+        scale = rows.abs().amax(-1, keepdim=True) / 448
+        bound = rows.abs() * (2**-4 + 2**-8) + scale * 2**-10
+        err = (y.float().view_as(rows) - rows).abs()
+        assert bool((err <= bound).all()), float((err - bound).max())
+        assert float(err.max()) > 0  # it is rounded: the test sees the store, not the bf16 folder twice
     sizes = [json.loads((f / "manifest.json").read_text())["bytes"] for f in (features, fp8)]
-    assert sizes[1] < 0.6 * sizes[0], sizes
+    assert sizes[1] < 0.7 * sizes[0], sizes
     # a folder keeps its store: resuming it with the other one is refused, with the way out named
     assert main(["dspark", "features", "-m", str(ORACLE / "target"), "--data", answers, "--out", str(fp8),
                  "--taps", "0,2,4", "--dtype", "float32", "--quiet", "--store", "bf16"]) != 0

@@ -10,9 +10,9 @@ position what the DSpark loss needs (dspark-spec.md §6.1's target cache, scaled
                                  exact target log-probs on it)
     input_ids    int32 [T], loss_mask uint8 [T] (1 on answer tokens, the final stop token included)
 
-`--store fp8` keeps taps and last_hidden as float8 e4m3 with a float32 scale per row of each
-tap (`taps_scale`, `last_hidden_scale`) in about half the disk; reading gives bf16 either way
-(feature_store.py: why e4m3, what it changes). `--from-features` recasts a folder's shards.
+`--store fp8` keeps the taps as float8 e4m3 with a float32 scale per row of each tap
+(`taps_scale`), in 59% of the disk; reading gives bf16 either way, and the teacher's
+last_hidden stays bf16 (feature_store.py: why e4m3, why not the teacher). `--from-features` recasts a folder's shards.
 
 Shards of `--shard-size` records are written atomically as safetensors files
 (`shard-00000.safetensors`: the fields above concatenated, plus `offsets` [n+1]) and listed
