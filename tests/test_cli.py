@@ -172,3 +172,29 @@ def test_the_readme_example_ends_on_its_own(smollm2_folder):
         assert proc.returncode == 0, proc.stderr
         stats = proc.stderr.strip().splitlines()[-1]
         assert "finish: stop" in stats, stats
+
+
+def _all_parsers(parser, path=()):
+    import argparse
+
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _all_parsers(sub, (*path, name))
+
+
+def test_every_command_formats_its_help():
+    """argparse formats each help string with %, so one bare '%' in any help text makes that
+    command's --help a traceback; every (sub)command's help must format and name its options."""
+    from verispec.cli import build_parser
+
+    seen = 0
+    for path, parser in _all_parsers(build_parser()):
+        text = parser.format_help()
+        assert text.startswith("usage:") and "%%" not in text, path  # %% belongs in help=, not in text
+        for action in parser._actions:
+            for flag in action.option_strings:
+                assert flag in text, (path, flag)
+        seen += 1
+    assert seen > 10  # the dspark family and the serving commands were walked
