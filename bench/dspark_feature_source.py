@@ -110,7 +110,8 @@ def main() -> int:
             build, size, tokens = 0.0, 0, 0
             if name != "on the fly":
                 build = cli(["dspark", "features", "-m", args.model, "--data", str(data), "--out", str(out / "features"),
-                             "--taps", ",".join(map(str, taps)), "--quiet", "--threads", str(args.threads)])
+                             "--taps", ",".join(map(str, taps)), "--quiet", "--threads", str(args.threads),
+                             "--store", "bf16"])  # the samples on-the-fly training computes, bit for bit
                 manifest = json.loads((out / "features" / "manifest.json").read_text())
                 size, tokens = manifest["bytes"], manifest["tokens"]
                 source = ["--features", str(out / "features")]

@@ -106,7 +106,8 @@ def features_for(pack: Path, work: Path, model: str, threads: int) -> Path:
     if not (manifest.is_file() and json.loads(manifest.read_text()).get("complete")):
         print(f"features of {pack} -> {out} (once; resumable)", file=sys.stderr, flush=True)
         cli(["dspark", "features", "-m", model, "--data", str(pack), "--out", str(out), "--threads", str(threads),
-             "--dtype", "float32"])  # the same on every host (auto picks bf16 where the CPU has it)
+             "--dtype", "float32", "--store", "bf16"])  # the same on every host (auto picks bf16 where the CPU has it);
+        # bf16: the store the published curve was measured on
     return out
 
 

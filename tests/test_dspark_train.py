@@ -47,7 +47,8 @@ def features(tmp_path_factory):
                  "--max-tokens", "48", "--dtype", "float32", "--quiet"]) == 0
     assert (work / "answers.jsonl").read_text() == before
     assert main(["dspark", "features", "-m", target, "--data", str(work / "answers.jsonl"), "--out",
-                 str(work / "features"), "--taps", "0,2,4", "--shard-size", "6", "--dtype", "float32", "--quiet"]) == 0
+                 str(work / "features"), "--taps", "0,2,4", "--shard-size", "6", "--dtype", "float32", "--quiet",
+                 "--store", "bf16"]) == 0  # bf16: the on-the-fly test below wants bit-identical samples
     return work / "features"
 
 
@@ -588,7 +589,7 @@ def _shards(folder: Path) -> list[dict]:
 
 
 def test_fp8_features_hold_the_bf16_features_within_e4m3s_half_step(features, tmp_path, capsys):
-    """`features --store fp8`: oracle, the bf16 features of the same records: every tap
+    """`features` in its default store, fp8: oracle, the bf16 features of the same records: every tap
     element within e4m3's half step of its own value (2^-4 relative; 2^-10 of the row's scale
     where e4m3 runs out of exponent) plus bf16's rounding on reading; the final hidden state
     (the teacher), ids, masks and logsumexps bit-equal; under 70% of the bytes."""
@@ -597,8 +598,9 @@ def test_fp8_features_hold_the_bf16_features_within_e4m3s_half_step(features, tm
     answers = str(features.parent / "answers.jsonl")
     fp8 = tmp_path / "fp8"
     assert main(["dspark", "features", "-m", str(ORACLE / "target"), "--data", answers, "--out", str(fp8),
-                 "--taps", "0,2,4", "--shard-size", "6", "--dtype", "float32", "--quiet", "--store", "fp8"]) == 0
+                 "--taps", "0,2,4", "--shard-size", "6", "--dtype", "float32", "--quiet"]) == 0  # no --store
     assert "as fp8" in capsys.readouterr().err
+    assert json.loads((fp8 / "manifest.json").read_text())["store"] == "fp8"
     exact, stored = FeatureCache([features]), FeatureCache([fp8])
     assert len(exact) == len(stored) > 0
     for i in range(len(exact)):

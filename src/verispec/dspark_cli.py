@@ -100,7 +100,7 @@ a whole run for the default model (each command can be stopped and rerun; README
     feat.add_argument("--store", choices=["bf16", "fp8"], default=None,
                       help="how hidden states are kept: bf16 as computed (~7.5 KiB a token for gemma3's five taps), "
                            "or fp8 (the taps in e4m3 with a scale per row and tap, ~4.4 KiB: 59%% of the disk; the teacher's "
-                           "final hidden state stays bf16; training reads either as bf16). Default: a resumed folder's own store, else bf16")
+                           "final hidden state stays bf16; training reads either as bf16). Default: a resumed folder's own store, else fp8 (campaign stage 28: the same held-out tau as bf16)")
     feat.add_argument("--from-features", default=None, metavar="FOLDER",
                       help="recast this features folder into --out in --store, shard by shard (resumable; with no "
                            "--data and no target forward)")
