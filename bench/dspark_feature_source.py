@@ -38,7 +38,6 @@ import io
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -118,10 +117,8 @@ def main() -> int:
             else:
                 source = ["--data", str(data), "-m", args.model, "--taps", ",".join(map(str, taps))]
             seconds = cli([*train, *source, "--out", str(out / "run")])
-            metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-            step_s = sum(m["seconds"] for m in metrics) / len(metrics)
-            step_tokens = sum(m["tokens"] for m in metrics) / len(metrics)
-            val = [json.loads(line) for line in (out / "run" / "validation.jsonl").read_text().splitlines()][-1]
+            step_s, step_tokens = mean_step(read_jsonl(out / "run" / "metrics.jsonl"))
+            val = read_jsonl(out / "run" / "validation.jsonl")[-1]
             seq_tokens = step_tokens / args.batch
             per_seq = step_s / args.batch  # training seconds per sequence, features included when on the fly
             build_per_seq = build / len(records)
@@ -149,6 +146,11 @@ def main() -> int:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def mean_step(metrics: list[dict]) -> tuple[float, float]:
+    """Mean seconds and tokens of a training step over `metrics` (metrics.jsonl rows)."""
+    return (sum(m["seconds"] for m in metrics) / len(metrics), sum(m["tokens"] for m in metrics) / len(metrics))
 
 
 def read_through(folder: Path) -> float:
@@ -195,15 +197,14 @@ def stores(args) -> int:
             arms.insert(1, (f"bf16 s{args.control_seed}", bf16, args.control_seed))
         for store, folder, seed in arms:
             warm_s = read_through(folder) if folder == fp8 else 0.0
-            run = Path(tmp) / f"run-{store.replace(' ', '-')}"
+            slug = store.replace(" ", "-")
+            run = Path(tmp) / f"run-{slug}"
             cli([*common, "--features", str(folder), "--seed", str(seed), "--steps", str(args.steps),
                  "--save-every", str(args.steps), "--out", str(run)])
-            metrics = read_jsonl(run / "metrics.jsonl")[args.warmup:]
             if args.keep_metrics:
-                shutil.copy(run / "metrics.jsonl", Path(args.keep_metrics) / f"metrics-{store.replace(' ', '-')}.jsonl")
-            step_s = sum(m["seconds"] for m in metrics) / len(metrics)
-            step_tokens = sum(m["tokens"] for m in metrics) / len(metrics)
-            tau = held_out_tau(args, bf16, run / f"step_{args.steps}", Path(tmp) / f"check-{store.replace(' ', '-')}")
+                shutil.copy(run / "metrics.jsonl", Path(args.keep_metrics) / f"metrics-{slug}.jsonl")
+            step_s, step_tokens = mean_step(read_jsonl(run / "metrics.jsonl")[args.warmup:])
+            tau = held_out_tau(args, bf16, run / f"step_{args.steps}", Path(tmp) / f"check-{slug}")
             m = json.loads((folder / "manifest.json").read_text())
             rows.append({"store": store, "seed": seed, "gib": round(m["bytes"] / 2**30, 2),
                          "bytes_per_token": round(m["bytes"] / m["tokens"]), "read_s": round(warm_s, 1),
@@ -214,9 +215,7 @@ def stores(args) -> int:
             taps = ",".join(map(str, manifest["target_layer_ids"]))
             cli([*common, "--data", args.fly_data, "-m", args.model, "--taps", taps, "--steps", str(args.fly_steps),
                  "--save-every", str(args.fly_steps), "--out", str(run)])
-            metrics = read_jsonl(run / "metrics.jsonl")[1:]
-            step_s = sum(m["seconds"] for m in metrics) / len(metrics)
-            step_tokens = sum(m["tokens"] for m in metrics) / len(metrics)
+            step_s, step_tokens = mean_step(read_jsonl(run / "metrics.jsonl")[1:])
             rows.append({"store": "on the fly", "seed": 7, "gib": 0.0, "bytes_per_token": 0, "read_s": 0.0,
                          "step_s": round(step_s, 3), "train_tok_s": round(step_tokens / step_s, 1),
                          "tau_val_bf16": None})

@@ -60,6 +60,16 @@ def encode(tensors: dict, store: str, num_taps: int) -> dict:
     return out
 
 
+def decode(handle) -> dict:
+    """A whole shard from an open handle as `encode` took it: the stored fields as bf16, their
+    scales dropped, everything else as it is."""
+    tensors = {k: handle.get_tensor(k) for k in handle.keys() if not k.endswith("_scale")}
+    for name in STORED:
+        if tensors[name].dtype == FP8:
+            tensors[name] = _dequantize(tensors[name], handle.get_tensor(name + "_scale"))
+    return tensors
+
+
 def read_rows(handle, name: str, a: int, b: int) -> torch.Tensor:
     """Rows [a, b) of `taps` or `last_hidden` from an open shard, as bf16 whatever the store."""
     values = handle.get_slice(name)[a:b]

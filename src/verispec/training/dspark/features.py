@@ -58,7 +58,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from verispec.errors import UserError
-from verispec.training.dspark.feature_store import STORES, encode, read_rows, store_of
+from verispec.training.dspark.feature_store import STORES, decode, encode, read_rows, store_of
 
 MANIFEST = "manifest.json"
 VERSION = 1
@@ -184,12 +184,13 @@ def run_features(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
+    existing = load_manifest(out)
+    store = chosen_store(args, existing, out)
     if getattr(args, "from_features", None):
-        return recast_folder(Path(args.from_features), out, chosen_store(args, load_manifest(out), out), args.quiet)
+        return recast_folder(Path(args.from_features), out, store, existing, args.quiet)
     if not args.data:
         raise UserError("dspark features needs --data (datagen records), or --from-features (a folder to recast)")
     out.mkdir(parents=True, exist_ok=True)
-    store = chosen_store(args, load_manifest(out), out)
     records = read_records(Path(args.data))
     if not records:
         raise UserError(f"{args.data}: no datagen records with answers (run `verispec dspark datagen` first)")
@@ -198,7 +199,7 @@ def run_features(args) -> int:
     args_m = loaded.model.args
     taps = [int(t) for t in args.taps.split(",")] if args.taps else default_taps(args_m.num_layers)
     kind = {"plan": plan, "head_kernel": head_kernel(loaded), "dtype": str(loaded.model.dtype).removeprefix("torch.")}
-    manifest = load_manifest(out) or {**kind,
+    manifest = existing or {**kind,
         "version": VERSION, "target": str(loaded.folder), "target_name": loaded.name, "target_layer_ids": taps,
         "hidden_size": args_m.hidden_size, "num_target_layers": args_m.num_layers, "vocab_size": args_m.vocab_size,
         "data": str(Path(args.data).resolve()), "shard_size": args.shard_size, "shards": [], "records": 0,
@@ -241,10 +242,11 @@ def _report(manifest: dict, t0: float, out: Path) -> None:
           f"{time.perf_counter() - t0:.0f} s this run -> {out}", file=sys.stderr)
 
 
-def recast_folder(source: Path, out: Path, store: str, quiet: bool = False) -> int:
+def recast_folder(source: Path, out: Path, store: str, manifest: dict | None, quiet: bool = False) -> int:
     """`dspark features --from-features SOURCE --out OUT --store S`: SOURCE's shards rewritten in
     another store, shard by shard and resumable, with no target forward (bf16 -> fp8 halves
-    the disk; fp8 -> bf16 gives the dequantized values, not the original bits)."""
+    the disk; fp8 -> bf16 gives the dequantized values, not the original bits). `manifest`: OUT's,
+    where a recast into it has begun."""
     from tqdm.auto import tqdm
     from safetensors import safe_open
 
@@ -254,7 +256,6 @@ def recast_folder(source: Path, out: Path, store: str, quiet: bool = False) -> i
     if source.resolve() == out.resolve():
         raise UserError("--from-features and --out are the same folder: recast into a new one")
     out.mkdir(parents=True, exist_ok=True)
-    manifest = load_manifest(out)
     if manifest is None:
         manifest = {**manifest_in, "shards": [], "records": 0, "tokens": 0, "bytes": 0, "complete": False,
                     "store": store, "recast_from": str(source.resolve())}
@@ -267,10 +268,7 @@ def recast_folder(source: Path, out: Path, store: str, quiet: bool = False) -> i
               file=sys.stderr, disable=quiet) as bar:
         for shard in todo:
             with safe_open(str(source / shard["file"]), "pt") as f:
-                n = int(f.get_slice("offsets")[-1:].item())
-                tensors = {k: f.get_tensor(k) for k in f.keys() if k not in ("taps", "last_hidden")
-                           and not k.endswith("_scale")}
-                tensors["taps"], tensors["last_hidden"] = read_rows(f, "taps", 0, n), read_rows(f, "last_hidden", 0, n)
+                tensors = decode(f)
             save_shard(out, manifest, encode(tensors, store, num_taps), shard["records"])
             bar.update(1)
     manifest["complete"] = manifest_in.get("complete", False) and len(manifest["shards"]) == len(manifest_in["shards"])
