@@ -113,6 +113,25 @@ def test_the_choices_of_one_prompt_prefill_it_once(tiny):
     assert _run(off, [prompt] * 3, [10, 10, 10]) == outs and off.metrics.prefill_tokens == 120
 
 
+def test_choices_that_add_nothing_to_the_cache_start_in_the_same_step(tiny):
+    """A twin waits only for a row whose prefill puts blocks into the cache. A prompt shorter
+    than a block has none (all its choices prefill in the first step), and once the first
+    choice of a long prompt is cached, the others restore it whole and start together:
+    steps to finish one token each are 1 and 2, where waiting on every twin took 3 and 3
+    (one choice a step). Same tokens as transformers' decode of the prompt alone."""
+    reference, model = tiny
+    for prompt, steps in ((_prompt(10, 7), 1), (_prompt(40, 8), 2)):
+        engine = _engine(model, prefill_chunk=64, idle_prefill_chunk=64)
+        collectors = [Collector() for _ in range(3)]
+        for c in collectors:
+            engine.submit(GenerationRequest(prompt, 1), c)
+        taken = 0
+        while engine.step():
+            taken += 1
+        assert [c.result(0).token_ids for c in collectors] == [reference_greedy(reference, prompt, 1)] * 3
+        assert taken == steps, f"{len(prompt)}-token prompt: {taken} steps"
+
+
 def test_a_row_that_needs_the_memory_evicts_the_cache_instead_of_waiting(tiny):
     _, model = tiny
     cache = model.new_cache()

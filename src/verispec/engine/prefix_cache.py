@@ -83,8 +83,7 @@ class PrefixCache:
         states (then only entries that kept them count)."""
         self.lookups += 1
         self.looked_up_tokens += len(prompt)
-        limit = (len(prompt) - 1) // self.block * self.block
-        for length in range(limit, 0, -self.block):
+        for length in range(self.cacheable(len(prompt)), 0, -self.block):
             entry = self._find(prompt, length, features)
             if entry is not None:
                 self._copy_in(entry, seq, length)
@@ -92,6 +91,11 @@ class PrefixCache:
                 self.hit_tokens += length
                 return length, tuple(f[:length] for f in entry.features) if features else None
         return 0, None
+
+    def cacheable(self, prompt_len: int) -> int:
+        """How many of a prompt's tokens the cache can hold: its whole blocks among all but
+        the last token (the last is always computed, for its logits)."""
+        return (prompt_len - 1) // self.block * self.block
 
     def _find(self, prompt: list[int], length: int, features: bool = False) -> Entry | None:
         head = tuple(prompt[:length])

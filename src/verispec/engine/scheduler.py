@@ -16,7 +16,9 @@ With a prefix cache, its entries count against the same budget: admission evicts
 (least recently used first) before a row would wait, and a row's prompt is looked up
 there (`on_first_chunk`) right before its first prefill chunk is planned. A row whose
 prompt another running row is prefilling right now waits for it (the engine then puts
-that prompt's KV into the cache), so the `n` choices of a request prefill it once.
+that prompt's KV into the cache), so the `n` choices of a request prefill it once; a row
+whose prefill adds nothing to the cache (a prompt shorter than a block, or one restored
+whole) holds nobody back, so the other choices start in the same step.
 """
 
 from __future__ import annotations
@@ -104,9 +106,10 @@ class Scheduler:
                         key = tuple(row.request.prompt_ids)
                         if key in prefilling:
                             continue  # its twin's prompt KV will be in the prefix cache: wait for it
-                        prefilling.add(key)
                     row.looked_up = True
                     self.on_first_chunk(row)
+                    if row.reads_prefix_cache and self._fills_cache(row):
+                        prefilling.add(key)
                 n = min(row.remaining_prompt, budget)
                 prefill.append(PrefillChunk(row, row.prefilled, row.prefilled + n))
                 budget -= n
@@ -117,7 +120,17 @@ class Scheduler:
         waits (the choices of an `n > 1` request, or users sending the same prompt at once).
         A set, so that a step with R such rows costs O(R), not O(R^2) prompt comparisons."""
         return {tuple(other.request.prompt_ids) for other in self.running
-                if other.state is RowState.PREFILL and other.looked_up and other.reads_prefix_cache}
+                if other.state is RowState.PREFILL and other.looked_up and other.reads_prefix_cache
+                and other.fills_prefix_cache}
+
+    def _fills_cache(self, row: Row) -> bool:
+        """Right after its lookup: will this row's prefill put prompt blocks into the cache
+        that the lookup did not find there? Only then is a twin better off waiting for it. A
+        prompt shorter than a block and a prompt the cache already held whole (the twins
+        after the first) have nothing to add: their twins start in the same step, where
+        waiting would start one twin a step (500 choices of a short prompt: 500 steps)."""
+        row.fills_prefix_cache = row.prefilled < self.prefix.cacheable(len(row.request.prompt_ids))
+        return row.fills_prefix_cache
 
     def waits_on(self, row: Row) -> bool:
         """Rows are waiting to reuse this row's prompt KV."""
