@@ -1297,20 +1297,83 @@ const ColsPasses& cols_passes() {
 }
 
 // tiles [t0, t1) for all M rows: in groups of COLS_GROUP tiles (held in cache while every
-// chunk of up to nine rows passes over them), each chunk as wide as its row count allows
+// chunk of up to `chunk` rows passes over them: 9 on AVX-512, 6 on AVX2), each chunk as
+// wide as its row count allows
 void kernel_bf16cols(const float* x, const uint16_t* w, const float* bias, void* y, bool y_bf16, int64_t M,
-                     int64_t N, int64_t K, int64_t t0, int64_t t1) {
-  const ColsPasses& p = cols_passes();
+                     int64_t N, int64_t K, int64_t t0, int64_t t1, const ColsPasses& p, int chunk) {
   for (int64_t g = t0; g < t1; g += COLS_GROUP) {
     const int64_t g1 = std::min<int64_t>(g + COLS_GROUP, t1);
-    for (int64_t m0 = 0; m0 < M; m0 += 9) {
-      const int mt = (int)std::min<int64_t>(9, M - m0);
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+      const int mt = (int)std::min<int64_t>(chunk, M - m0);
       const int width = p.width[mt];
       int64_t t = g;
       for (; t + width <= g1; t += width) p.wide[mt](x, w, bias, y, y_bf16, N, K, m0, t);
       for (; t < g1; t++) p.one[mt](x, w, bias, y, y_bf16, N, K, m0, t);
     }
   }
+}
+
+// bf16cols on AVX2: a tile's 16 columns are two 8-lane halves, each lane still one column's
+// fused multiply-add chain in k order (the first product fma'd onto zero, the bias added
+// after), so every output has the AVX-512 pass's bits. Sixteen registers hold 2 * T * MT
+// accumulators, the 2 * T widened weights and one broadcast: T = 2 for up to 2 rows, else T = 1
+// for up to 6 rows a pass.
+template <int MT, int T>
+__attribute__((target("avx2,fma")))
+void bf16cols_pass_256(const float* x, const uint16_t* w, const float* bias, void* y, bool y_bf16, int64_t N,
+                       int64_t K, int64_t m0, int64_t tile) {
+  __m256 acc[2 * T][MT];
+#pragma GCC unroll 4
+  for (int c = 0; c < 2 * T; c++)
+#pragma GCC unroll 6
+    for (int r = 0; r < MT; r++) acc[c][r] = _mm256_setzero_ps();
+  const uint16_t* wt = w + tile * K * 16;
+  const float* xr = x + m0 * K;
+  for (int64_t k = 0; k < K; k++) {
+    __m256 wv[2 * T];
+#pragma GCC unroll 4
+    for (int c = 0; c < 2 * T; c++)  // half c & 1 of tile c / 2
+      wv[c] = _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(wt + ((c >> 1) * K + k) * 16 + 8 * (c & 1)))), 16));
+#pragma GCC unroll 6
+    for (int r = 0; r < MT; r++) {
+      const __m256 xv = _mm256_set1_ps(xr[r * K + k]);
+#pragma GCC unroll 4
+      for (int c = 0; c < 2 * T; c++) acc[c][r] = _mm256_fmadd_ps(wv[c], xv, acc[c][r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < 2 * T; c++) {
+    const int64_t n = (tile + (c >> 1)) * 16 + 8 * (c & 1);
+#pragma GCC unroll 6
+    for (int r = 0; r < MT; r++) {
+      float out[8];
+      _mm256_storeu_ps(out, acc[c][r]);
+      for (int j = 0; j < 8 && n + j < N; j++) {
+        const float v = bias ? out[j] + bias[n + j] : out[j];
+        const int64_t at = (m0 + r) * N + n + j;
+        if (y_bf16) ((uint16_t*)y)[at] = float_to_bf16_rne(v);
+        else ((float*)y)[at] = v;
+      }
+    }
+  }
+}
+
+template <int MT>
+void fill_cols_passes_256(ColsPasses& p) {
+  p.wide[MT] = bf16cols_pass_256<MT, MT <= 2 ? 2 : 1>;
+  p.one[MT] = bf16cols_pass_256<MT, 1>;
+  p.width[MT] = MT <= 2 ? 2 : 1;
+  if constexpr (MT > 1) fill_cols_passes_256<MT - 1>(p);
+}
+
+const ColsPasses& cols_passes_256() {
+  static const ColsPasses passes = [] {
+    ColsPasses p{};
+    fill_cols_passes_256<6>(p);
+    return p;
+  }();
+  return passes;
 }
 
 // ---------------------------------------------------------------------------- scalar
@@ -1497,9 +1560,13 @@ torch::Tensor bf16amx_linear(torch::Tensor x, torch::Tensor w, c10::optional<tor
 
 // x float32 or bfloat16 [M, K]; w the 16-column tiles (quant.py interleave16_bf16) as uint8;
 // out float32 when x is float32 or out_float, else bfloat16 (rounded to nearest even)
+// isa: -1 the best this CPU has, 2 AVX-512, 1 AVX2 (the same bits)
 torch::Tensor bf16cols_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, int64_t N,
-                              bool out_float) {
-  TORCH_CHECK(best_isa() == AVX512, "the bf16cols kernel needs AVX-512F and AVX-512BW");
+                              bool out_float, int64_t isa) {
+  if (isa < 0) isa = best_isa() == AVX512 ? AVX512 : AVX2;
+  TORCH_CHECK(isa == AVX512 || isa == AVX2, "bf16cols runs on AVX-512 (2) or AVX2 (1)");
+  TORCH_CHECK(best_isa() >= isa, isa == AVX512 ? "the bf16cols kernel needs AVX-512F and AVX-512BW"
+                                               : "the bf16cols kernel needs AVX2 and FMA");
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
               "x must be a 2-D float32 or bfloat16 tensor");
   const int64_t M = x.size(0), K = x.size(1);
@@ -1517,7 +1584,8 @@ torch::Tensor bf16cols_linear(torch::Tensor x, torch::Tensor w, c10::optional<to
   void* yp = y.data_ptr();
   const int64_t grain = std::max<int64_t>(1, tiles / (4 * std::max(1, at::get_num_threads())));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    kernel_bf16cols(xp, wp, bptr, yp, y_bf16, M, N, K, t0, t1);
+    kernel_bf16cols(xp, wp, bptr, yp, y_bf16, M, N, K, t0, t1, isa == AVX512 ? cols_passes() : cols_passes_256(),
+                    isa == AVX512 ? 9 : 6);
   });
   return y;
 }
@@ -1970,6 +2038,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "attention computed per (query, head), batch-invariant");
   m.def("bf16dot", &bf16dot, "whether the AVX512-BF16 kernel runs here");
   m.def("bf16amx", &bf16amx, "whether the AMX-BF16 kernel runs here (CPU and kernel permission)");
-  m.def("bf16cols_linear", &bf16cols_linear, "bf16 weights in 16-column tiles x float32 activations, sums in k order (AVX-512F; batch-invariant)");
+  m.def("bf16cols_linear", &bf16cols_linear, "bf16 weights in 16-column tiles x float32 activations, sums in k order (AVX-512F or AVX2, the same bits; batch-invariant)",
+        py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("N"), py::arg("out_float"), py::arg("isa") = -1);
   m.def("bf16amx_linear", &bf16amx_linear, "bf16 x bf16 linear with float32 sums on AMX tiles (batch-invariant)");
 }

@@ -44,7 +44,10 @@ What is chosen:
   many-row call: Gemma-3's q8_0 lm_head, two fifths of a 4-row step's time here.
   PLAN_VERSION 7: a bf16 matrix may take `bf16cols` on AVX-512 (16-column tiles, no
   horizontal sums; batch-invariant): on the Xeon without AVX512-BF16 it beat bf16rows at
-  1 and 9 rows on every Gemma-3 matrix (docs/kernels.md).
+  1 and 9 rows on every Gemma-3 matrix (docs/kernels.md). PLAN_VERSION 8: `bf16cols` runs
+  on AVX2 too, with the AVX-512 pass's bits (two 8-lane halves a tile): on an AVX2 EPYC it
+  beat bf16rows on every Gemma-3 matrix at 1 and 9 rows, and an AVX2 host now serves the
+  same bits as an AVX-512 one where both take it.
 
 Checked by tests/test_kernel_plan.py (a plan is cached and reused, invalidated by its key;
 forced modes; lossless quantization found exactly where it exists) and, end to end, by
@@ -65,7 +68,7 @@ import torch
 from verispec.models import profiles
 from verispec.models.linear import BF16_KERNELS, Linear, amx_allowed, kernel_runs
 
-PLAN_VERSION = 7
+PLAN_VERSION = 8
 VERIFY_ROWS = 9  # a verify block: 8 drafts + the pending token (the engine's default)
 AMX_ROWS = (1, 2, 3, 4, 6, 8, 9, 12, 16)  # row counts an -i8 role's two paths are timed at
 MEMORY_BYTES = 48 * 2**20  # weight copies per timing, so a decode-like read comes from DRAM
