@@ -37,7 +37,7 @@ class Row:
         self.state = RowState.WAITING
         self.prefilled = 0  # prompt tokens already in the cache
         self.looked_up = False  # the prefix cache was asked for this prompt (engine/scheduler.py)
-        self.fills_prefix_cache = False  # ... and its prefill adds blocks the cache did not hold
+        self.fills_prefix_cache = False  # ... and its prefill adds blocks the cache did not hold (scheduler.py)
         self.reads_prefix_cache = False  # set at submit: the engine has a prefix cache
         self.restored = 0  # prompt tokens restored from the prefix cache, not yet handed to the draft source
         self.restored_features = None  # their tapped hidden states, for a source that reads them

@@ -100,16 +100,22 @@ class Scheduler:
                 break
             if row.state is RowState.PREFILL:
                 if not row.looked_up and self.on_first_chunk is not None:
-                    if row.reads_prefix_cache:
+                    key = tuple(row.request.prompt_ids) if row.reads_prefix_cache else None
+                    if key is not None:
                         if prefilling is None:
                             prefilling = self._prompts_prefilling()
-                        key = tuple(row.request.prompt_ids)
                         if key in prefilling:
                             continue  # its twin's prompt KV will be in the prefix cache: wait for it
                     row.looked_up = True
                     self.on_first_chunk(row)
-                    if row.reads_prefix_cache and self._fills_cache(row):
-                        prefilling.add(key)
+                    if key is not None:
+                        # a twin waits only for a prefill that puts blocks into the cache which
+                        # the lookup did not find there: a prompt shorter than a block and one
+                        # restored whole (the twins after the first) add nothing, and waiting on
+                        # them started one twin a step (500 choices of a short prompt: 500 steps)
+                        row.fills_prefix_cache = row.prefilled < self.prefix.cacheable(len(key))
+                        if row.fills_prefix_cache:
+                            prefilling.add(key)
                 n = min(row.remaining_prompt, budget)
                 prefill.append(PrefillChunk(row, row.prefilled, row.prefilled + n))
                 budget -= n
@@ -120,17 +126,7 @@ class Scheduler:
         waits (the choices of an `n > 1` request, or users sending the same prompt at once).
         A set, so that a step with R such rows costs O(R), not O(R^2) prompt comparisons."""
         return {tuple(other.request.prompt_ids) for other in self.running
-                if other.state is RowState.PREFILL and other.looked_up and other.reads_prefix_cache
-                and other.fills_prefix_cache}
-
-    def _fills_cache(self, row: Row) -> bool:
-        """Right after its lookup: will this row's prefill put prompt blocks into the cache
-        that the lookup did not find there? Only then is a twin better off waiting for it. A
-        prompt shorter than a block and a prompt the cache already held whole (the twins
-        after the first) have nothing to add: their twins start in the same step, where
-        waiting would start one twin a step (500 choices of a short prompt: 500 steps)."""
-        row.fills_prefix_cache = row.prefilled < self.prefix.cacheable(len(row.request.prompt_ids))
-        return row.fills_prefix_cache
+                if other.state is RowState.PREFILL and other.fills_prefix_cache}  # set only after a lookup
 
     def waits_on(self, row: Row) -> bool:
         """Rows are waiting to reuse this row's prompt KV."""

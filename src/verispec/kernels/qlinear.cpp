@@ -1277,6 +1277,7 @@ constexpr int cols_width() { return MT <= 4 ? 4 : MT <= 6 ? 3 : 2; }
 struct ColsPasses {
   ColsPass wide[10], one[10];
   int width[10];
+  int rows;  // the most rows a pass takes (9 on AVX-512, 6 on AVX2): a call's chunk of rows
 };
 
 template <int MT>
@@ -1291,20 +1292,20 @@ const ColsPasses& cols_passes() {
   static const ColsPasses passes = [] {
     ColsPasses p{};
     fill_cols_passes<9>(p);
+    p.rows = 9;
     return p;
   }();
   return passes;
 }
 
 // tiles [t0, t1) for all M rows: in groups of COLS_GROUP tiles (held in cache while every
-// chunk of up to `chunk` rows passes over them: 9 on AVX-512, 6 on AVX2), each chunk as
-// wide as its row count allows
+// chunk of up to p.rows rows passes over them), each chunk as wide as its row count allows
 void kernel_bf16cols(const float* x, const uint16_t* w, const float* bias, void* y, bool y_bf16, int64_t M,
-                     int64_t N, int64_t K, int64_t t0, int64_t t1, const ColsPasses& p, int chunk) {
+                     int64_t N, int64_t K, int64_t t0, int64_t t1, const ColsPasses& p) {
   for (int64_t g = t0; g < t1; g += COLS_GROUP) {
     const int64_t g1 = std::min<int64_t>(g + COLS_GROUP, t1);
-    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
-      const int mt = (int)std::min<int64_t>(chunk, M - m0);
+    for (int64_t m0 = 0; m0 < M; m0 += p.rows) {
+      const int mt = (int)std::min<int64_t>(p.rows, M - m0);
       const int width = p.width[mt];
       int64_t t = g;
       for (; t + width <= g1; t += width) p.wide[mt](x, w, bias, y, y_bf16, N, K, m0, t);
@@ -1371,6 +1372,7 @@ const ColsPasses& cols_passes_256() {
   static const ColsPasses passes = [] {
     ColsPasses p{};
     fill_cols_passes_256<6>(p);
+    p.rows = 6;
     return p;
   }();
   return passes;
@@ -1583,9 +1585,9 @@ torch::Tensor bf16cols_linear(torch::Tensor x, torch::Tensor w, c10::optional<to
   const uint16_t* wp = (const uint16_t*)w.data_ptr<uint8_t>();
   void* yp = y.data_ptr();
   const int64_t grain = std::max<int64_t>(1, tiles / (4 * std::max(1, at::get_num_threads())));
+  const ColsPasses& passes = isa == AVX512 ? cols_passes() : cols_passes_256();
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    kernel_bf16cols(xp, wp, bptr, yp, y_bf16, M, N, K, t0, t1, isa == AVX512 ? cols_passes() : cols_passes_256(),
-                    isa == AVX512 ? 9 : 6);
+    kernel_bf16cols(xp, wp, bptr, yp, y_bf16, M, N, K, t0, t1, passes);
   });
   return y;
 }
@@ -1841,37 +1843,37 @@ void rmsnorm_impl(const T* x, const T* residual, T* sum, const void* weight, boo
                   int64_t n, int64_t H, float eps, int64_t weight_rows) {
   const bool wide = H % 16 == 0 && best_isa() == AVX512, wide256 = H % 16 == 0 && best_isa() == AVX2;
   at::parallel_for(0, n, 4, [&](int64_t r0, int64_t r1) {  // rows alone, as gated_rows
-  std::vector<float> row(H);
-  for (int64_t i = r0; i < r1; i++) {
-    for (int64_t j = 0; j < H; j++) {
-      float v = load_f(x, i * H + j);
-      if (residual) {
-        v = v + load_f(residual, i * H + j);
-        store_f(sum, i * H + j, v);
-        v = load_f(sum, i * H + j);  // the rounded sum, as the next layer sees it
+    std::vector<float> row(H);
+    for (int64_t i = r0; i < r1; i++) {
+      for (int64_t j = 0; j < H; j++) {
+        float v = load_f(x, i * H + j);
+        if (residual) {
+          v = v + load_f(residual, i * H + j);
+          store_f(sum, i * H + j, v);
+          v = load_f(sum, i * H + j);  // the rounded sum, as the next layer sees it
+        }
+        row[j] = v;
       }
-      row[j] = v;
-    }
-    float lanes[16] = {0};
-    if (wide) sum_squares_lanes_512(row.data(), H, lanes);
-    else if (wide256) sum_squares_lanes_256(row.data(), H, lanes);
-    else for (int64_t j = 0; j < H; j++) lanes[j % 16] = std::fma(row[j], row[j], lanes[j % 16]);
-    float s8[8], s4[4], s2[2];
-    for (int l = 0; l < 8; l++) s8[l] = lanes[l] + lanes[l + 8];
-    for (int l = 0; l < 4; l++) s4[l] = s8[l] + s8[l + 4];
-    for (int l = 0; l < 2; l++) s2[l] = s4[l] + s4[l + 2];
-    const float inv = 1.0f / std::sqrt((s2[0] + s2[1]) / (float)H + eps);
-    const int64_t wr = (i % weight_rows) * H;  // per-head norms: row i takes weight row i % heads
-    for (int64_t j = 0; j < H; j++) {
-      const float w = weight_f32 ? ((const float*)weight)[wr + j] : load_f((const T*)weight, wr + j);
-      const float normed = row[j] * inv;
-      if (offset) store_f(out, i * H + j, normed * w);
-      else {
-        store_f(out, i * H + j, normed);  // round to x's dtype first (a no-op in float32)
-        store_f(out, i * H + j, load_f(out, i * H + j) * w);
+      float lanes[16] = {0};
+      if (wide) sum_squares_lanes_512(row.data(), H, lanes);
+      else if (wide256) sum_squares_lanes_256(row.data(), H, lanes);
+      else for (int64_t j = 0; j < H; j++) lanes[j % 16] = std::fma(row[j], row[j], lanes[j % 16]);
+      float s8[8], s4[4], s2[2];
+      for (int l = 0; l < 8; l++) s8[l] = lanes[l] + lanes[l + 8];
+      for (int l = 0; l < 4; l++) s4[l] = s8[l] + s8[l + 4];
+      for (int l = 0; l < 2; l++) s2[l] = s4[l] + s4[l + 2];
+      const float inv = 1.0f / std::sqrt((s2[0] + s2[1]) / (float)H + eps);
+      const int64_t wr = (i % weight_rows) * H;  // per-head norms: row i takes weight row i % heads
+      for (int64_t j = 0; j < H; j++) {
+        const float w = weight_f32 ? ((const float*)weight)[wr + j] : load_f((const T*)weight, wr + j);
+        const float normed = row[j] * inv;
+        if (offset) store_f(out, i * H + j, normed * w);
+        else {
+          store_f(out, i * H + j, normed);  // round to x's dtype first (a no-op in float32)
+          store_f(out, i * H + j, load_f(out, i * H + j) * w);
+        }
       }
     }
-  }
   });
 }
 
