@@ -649,3 +649,45 @@ def test_fp8_features_recast_from_a_bf16_folder_equal_those_computed_directly(fe
         for k in a:
             assert a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
     assert main(["dspark", "features", "--from-features", str(features), "--out", str(features), "--quiet"]) != 0
+
+
+def test_newest_and_replayed_features_are_the_whole_folders_samples(features, tmp_path, capsys):
+    """`features --newest N --replay M` over a pack: oracle, the folder of every record (the
+    fixture, same target and store): its samples are that folder's samples of the M drawn older
+    records, in order, then of the last N, bit for bit; so `train --holdout` on it holds out new
+    answers only. A resumed folder keeps its choice; --replay alone, and a JSONL, are refused."""
+    from verispec.training.dspark.features import FeatureCache, read_records
+
+    answers = features.parent / "answers.jsonl"
+    pack = tmp_path / "answers.pack.xz"
+    assert main(["dspark", "pack", "--data", str(answers), "--out", str(pack), "--vocab-size", "512"]) == 0
+    records = read_records(pack)
+    assert len(records) == len(read_records(answers)) >= 8
+    out = tmp_path / "incremental"
+    common = ["dspark", "features", "-m", str(ORACLE / "target"), "--data", str(pack), "--taps", "0,2,4",
+              "--dtype", "float32", "--quiet", "--store", "bf16", "--shard-size", "3"]
+    assert main([*common, "--out", str(out), "--newest", "3", "--replay", "4", "--seed", "5"]) == 0
+    whole, part = FeatureCache([features]), FeatureCache([out])
+    assert len(part) == 7
+    position = {tuple(whole[i].input_ids.tolist()): i for i in range(len(whole))}
+    chosen = [position[tuple(part[i].input_ids.tolist())] for i in range(len(part))]
+    n = len(whole)
+    assert chosen[4:] == [n - 3, n - 2, n - 1], "the last three records, last"
+    assert chosen[:4] == sorted(chosen[:4]) and all(i < n - 3 for i in chosen[:4]), "four older ones, in order"
+    for i, j in enumerate(chosen):
+        a, b = part[i], whole[j]
+        for field in ("input_ids", "loss_mask", "lse", "last_hidden", "taps"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), field
+    # the same seed draws the same records
+    again = tmp_path / "again"
+    assert main([*common, "--out", str(again), "--newest", "3", "--replay", "4", "--seed", "5"]) == 0
+    assert [FeatureCache([again])[i].input_ids.tolist() for i in range(7)] == [part[i].input_ids.tolist() for i in range(7)]
+    capsys.readouterr()
+    assert main([*common, "--out", str(out), "--newest", "3", "--replay", "4", "--seed", "6"]) != 0
+    assert "resume it with the same choice" in capsys.readouterr().err
+    assert main([*common, "--out", str(tmp_path / "x"), "--replay", "2"]) != 0
+    assert "give --newest" in capsys.readouterr().err
+    assert main([*common, "--out", str(tmp_path / "y"), "--newest", str(n + 1)]) != 0
+    assert f"holds {n} records" in capsys.readouterr().err
+    assert main([*common[:5], str(answers), *common[6:], "--out", str(tmp_path / "z"), "--newest", "2"]) != 0
+    assert "a pack's records" in capsys.readouterr().err

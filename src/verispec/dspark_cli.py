@@ -106,6 +106,14 @@ a whole run for the default model (each command can be stopped and rerun; README
                            "--data and no target forward)")
     feat.add_argument("--taps", default=None, help="target layers to tap, e.g. 1,8,15,22,28 (default: DeepSpec's spacing)")
     feat.add_argument("--shard-size", type=int, default=256, help="sequences per shard (default 256)")
+    feat.add_argument("--newest", type=int, default=None, metavar="N",
+                      help="only the last N records of --data (e.g. the answers a drafter has not seen: `dspark pack` "
+                           "says how many it added), after --replay's; with `train --init-from` and --holdout, a warm "
+                           "restart on a machine without the whole folder (campaign stage 30)")
+    feat.add_argument("--replay", type=int, default=0, metavar="M",
+                      help="with --newest: also M of the earlier records, drawn at random (--seed), first in the "
+                           "folder, so training keeps seeing what the drafter learnt and --holdout takes only new ones")
+    feat.add_argument("--seed", type=int, default=0, help="--replay's draw (default 0)")
     feat.add_argument("--plan", choices=["served", "dtype"], default="served",
                       help="served (default): the target as `verispec serve` runs it here (its measured kernels and "
                            "weight formats; --dtype as serve's), so the drafter trains on the features it reads when "

@@ -21,6 +21,12 @@ Shards of `--shard-size` records are written atomically as safetensors files
 in `manifest.json` after each one, so an interrupted run continues from the next shard.
 Training reads slices through safetensors' memory map.
 
+`--newest N --replay M` keeps a pack's last N records and M drawn at random (`--seed`) from
+those before, the drawn ones first: the data of a warm restart (`train --init-from`) on a
+machine that lacks the features of everything the drafter already saw. A new answer costs its
+features once, and the replayed ones keep the old data in each batch; `--holdout` then takes
+new answers only. Campaign stage 30 measured it against computing the whole pack's features.
+
 Which target computes them (`--plan`): by default `served`, the target exactly as `verispec
 serve` loads it on this machine (its measured kernel plan and weight formats). Its kernels are
 batch-invariant, so a sequence's teacher-forced forward gives the same bits per position as
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import time
 from dataclasses import dataclass
@@ -93,13 +100,19 @@ def default_taps(num_layers: int, count: int = 5) -> list[int]:
     return [min(1 + i * stride, num_layers - 2) for i in range(count)]
 
 
-def read_records(path: Path, min_loss_tokens: int = 14) -> list[dict]:
+def read_records(path: Path, min_loss_tokens: int = 14, select: tuple[int, int, int] | None = None) -> list[dict]:
     """Datagen's records (its JSONL, or a pack: training/dspark/pack.py) whose answers have at
-    least `min_loss_tokens` tokens (DeepSpec's min_loss_tokens)."""
+    least `min_loss_tokens` tokens (DeepSpec's min_loss_tokens); with `select` (newest, replay,
+    seed), only select_records' choice among them."""
     from verispec.training.dspark.pack import is_pack, read_pack
 
     if is_pack(path):
-        return [r for r in read_pack(path)[1] if len(r["answer_ids"]) >= min_loss_tokens]
+        records = read_pack(path)[1]
+        if select:
+            records = select_records(records, *select)
+        return [r for r in records if len(r["answer_ids"]) >= min_loss_tokens]
+    if select:
+        raise UserError(f"{path}: --newest / --replay choose among a pack's records (`verispec dspark pack` first)")
     records = []
     lines = path.read_text(encoding="utf-8").split("\n")
     for number, line in enumerate(lines, 1):
@@ -114,6 +127,19 @@ def read_records(path: Path, min_loss_tokens: int = 14) -> list[dict]:
         if len(r.get("answer_ids", [])) >= min_loss_tokens:  # DeepSpec's min_loss_tokens
             records.append(r)
     return records
+
+
+def select_records(records: list[dict], newest: int, replay: int = 0, seed: int = 0) -> list[dict]:
+    """`replay` records drawn at random (seeded) from all but the last `newest`, in their order,
+    then the last `newest`: the data of a warm restart that adds new answers without the
+    features of every old one (a training run's --holdout then takes only new answers)."""
+    if newest < 1 or newest > len(records):
+        raise UserError(f"--newest {newest}: the data holds {len(records)} records")
+    older = len(records) - newest
+    if replay < 0 or replay > older:
+        raise UserError(f"--replay {replay}: {older} records come before the newest {newest}")
+    drawn = sorted(random.Random(seed).sample(range(older), replay))
+    return [records[i] for i in drawn] + records[older:]
 
 
 @torch.inference_mode()
@@ -191,7 +217,11 @@ def run_features(args) -> int:
     if not args.data:
         raise UserError("dspark features needs --data (datagen records), or --from-features (a folder to recast)")
     out.mkdir(parents=True, exist_ok=True)
-    records = read_records(Path(args.data))
+    newest, replay, seed = getattr(args, "newest", None), getattr(args, "replay", 0), getattr(args, "seed", 0)
+    if replay and not newest:
+        raise UserError("--replay draws from the records before --newest N: give --newest")
+    select = (newest, replay, seed) if newest else None
+    records = read_records(Path(args.data), select=select)
     if not records:
         raise UserError(f"{args.data}: no datagen records with answers (run `verispec dspark datagen` first)")
     plan = getattr(args, "plan", "served")
@@ -204,7 +234,12 @@ def run_features(args) -> int:
         "hidden_size": args_m.hidden_size, "num_target_layers": args_m.num_layers, "vocab_size": args_m.vocab_size,
         "data": str(Path(args.data).resolve()), "shard_size": args.shard_size, "shards": [], "records": 0,
         "tokens": 0, "bytes": 0, "complete": False, "store": store,
+        **({"select": {"newest": newest, "replay": replay, "seed": seed}} if select else {}),
     }
+    chosen = {"newest": newest, "replay": replay, "seed": seed} if select else None
+    if manifest.get("select") != chosen:
+        raise UserError(f"{out} holds features of the records chosen by {manifest.get('select') or 'no --newest'}, "
+                        f"not {chosen or 'no --newest'}: resume it with the same choice, or use a new --out folder")
     if manifest.get("target_name") and manifest["target_name"] != loaded.name:
         raise UserError(f"{out} holds features of {manifest['target_name']}, not {loaded.name}: to resume it, "
                         f"-m {manifest['target_name']}; for {loaded.name}, a new --out folder")
