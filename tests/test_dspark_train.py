@@ -689,5 +689,8 @@ def test_newest_and_replayed_features_are_the_whole_folders_samples(features, tm
     assert "give --newest" in capsys.readouterr().err
     assert main([*common, "--out", str(tmp_path / "y"), "--newest", str(n + 1)]) != 0
     assert f"holds {n} records" in capsys.readouterr().err
+    assert main([*common, "--out", str(tmp_path / "y"), "--newest", "0"]) != 0
+    assert "--newest 0" in capsys.readouterr().err
     assert main([*common[:5], str(answers), *common[6:], "--out", str(tmp_path / "z"), "--newest", "2"]) != 0
     assert "a pack's records" in capsys.readouterr().err
+    assert not any((tmp_path / name).exists() for name in "xyz"), "a refused call leaves no folder"

@@ -216,14 +216,18 @@ def run_features(args) -> int:
         return recast_folder(Path(args.from_features), out, store, existing, args.quiet)
     if not args.data:
         raise UserError("dspark features needs --data (datagen records), or --from-features (a folder to recast)")
-    out.mkdir(parents=True, exist_ok=True)
     newest, replay, seed = getattr(args, "newest", None), getattr(args, "replay", 0), getattr(args, "seed", 0)
-    if replay and not newest:
+    if replay and newest is None:
         raise UserError("--replay draws from the records before --newest N: give --newest")
-    select = (newest, replay, seed) if newest else None
+    select = (newest, replay, seed) if newest is not None else None
+    chosen = {"newest": newest, "replay": replay, "seed": seed} if select else None
+    if existing and existing.get("select") != chosen:
+        raise UserError(f"{out} holds features of the records chosen by {existing.get('select') or 'no --newest'}, "
+                        f"not {chosen or 'no --newest'}: resume it with the same choice, or use a new --out folder")
     records = read_records(Path(args.data), select=select)
     if not records:
         raise UserError(f"{args.data}: no datagen records with answers (run `verispec dspark datagen` first)")
+    out.mkdir(parents=True, exist_ok=True)
     plan = getattr(args, "plan", "served")
     loaded = load_target(args.model, args.dtype, plan)
     args_m = loaded.model.args
@@ -234,12 +238,8 @@ def run_features(args) -> int:
         "hidden_size": args_m.hidden_size, "num_target_layers": args_m.num_layers, "vocab_size": args_m.vocab_size,
         "data": str(Path(args.data).resolve()), "shard_size": args.shard_size, "shards": [], "records": 0,
         "tokens": 0, "bytes": 0, "complete": False, "store": store,
-        **({"select": {"newest": newest, "replay": replay, "seed": seed}} if select else {}),
+        **({"select": chosen} if chosen else {}),
     }
-    chosen = {"newest": newest, "replay": replay, "seed": seed} if select else None
-    if manifest.get("select") != chosen:
-        raise UserError(f"{out} holds features of the records chosen by {manifest.get('select') or 'no --newest'}, "
-                        f"not {chosen or 'no --newest'}: resume it with the same choice, or use a new --out folder")
     if manifest.get("target_name") and manifest["target_name"] != loaded.name:
         raise UserError(f"{out} holds features of {manifest['target_name']}, not {loaded.name}: to resume it, "
                         f"-m {manifest['target_name']}; for {loaded.name}, a new --out folder")
