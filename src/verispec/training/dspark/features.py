@@ -100,16 +100,16 @@ def default_taps(num_layers: int, count: int = 5) -> list[int]:
     return [min(1 + i * stride, num_layers - 2) for i in range(count)]
 
 
-def read_records(path: Path, min_loss_tokens: int = 14, select: tuple[int, int, int] | None = None) -> list[dict]:
+def read_records(path: Path, min_loss_tokens: int = 14, select: dict | None = None) -> list[dict]:
     """Datagen's records (its JSONL, or a pack: training/dspark/pack.py) whose answers have at
-    least `min_loss_tokens` tokens (DeepSpec's min_loss_tokens); with `select` (newest, replay,
-    seed), only select_records' choice among them."""
+    least `min_loss_tokens` tokens (DeepSpec's min_loss_tokens); with `select` (select_records'
+    newest, replay and seed), only its choice among them."""
     from verispec.training.dspark.pack import is_pack, read_pack
 
     if is_pack(path):
         records = read_pack(path)[1]
         if select:
-            records = select_records(records, *select)
+            records = select_records(records, **select)
         return [r for r in records if len(r["answer_ids"]) >= min_loss_tokens]
     if select:
         raise UserError(f"{path}: --newest / --replay choose among a pack's records (`verispec dspark pack` first)")
@@ -219,11 +219,10 @@ def run_features(args) -> int:
     newest, replay, seed = getattr(args, "newest", None), getattr(args, "replay", 0), getattr(args, "seed", 0)
     if replay and newest is None:
         raise UserError("--replay draws from the records before --newest N: give --newest")
-    select = (newest, replay, seed) if newest is not None else None
-    chosen = {"newest": newest, "replay": replay, "seed": seed} if select else None
-    if existing and existing.get("select") != chosen:
+    select = {"newest": newest, "replay": replay, "seed": seed} if newest is not None else None
+    if existing and existing.get("select") != select:
         raise UserError(f"{out} holds features of the records chosen by {existing.get('select') or 'no --newest'}, "
-                        f"not {chosen or 'no --newest'}: resume it with the same choice, or use a new --out folder")
+                        f"not {select or 'no --newest'}: resume it with the same choice, or use a new --out folder")
     records = read_records(Path(args.data), select=select)
     if not records:
         raise UserError(f"{args.data}: no datagen records with answers (run `verispec dspark datagen` first)")
@@ -238,7 +237,7 @@ def run_features(args) -> int:
         "hidden_size": args_m.hidden_size, "num_target_layers": args_m.num_layers, "vocab_size": args_m.vocab_size,
         "data": str(Path(args.data).resolve()), "shard_size": args.shard_size, "shards": [], "records": 0,
         "tokens": 0, "bytes": 0, "complete": False, "store": store,
-        **({"select": chosen} if chosen else {}),
+        **({"select": select} if select else {}),
     }
     if manifest.get("target_name") and manifest["target_name"] != loaded.name:
         raise UserError(f"{out} holds features of {manifest['target_name']}, not {loaded.name}: to resume it, "
