@@ -28,7 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from verispec.allocator import keep_large_blocks
+
+keep_large_blocks()  # as `verispec` does before torch loads: the arms run its CLI in this process
+import torch  # noqa: E402
 
 
 def run(argv: list[str]) -> float:

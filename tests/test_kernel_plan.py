@@ -138,6 +138,31 @@ def _assert_batch_invariant(model):
     assert torch.equal(_logits_of(model, prompt, cont, [3, 9], beside=[2, 4, 6, 8, 10, 12, 14]), single)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_bf16_cache_gives_the_float32_caches_logits(folders, family):
+    """A bf16 model on verispec's attention keeps its KV cache in bf16 (half the bytes), with the
+    bits the float32 cache gave (the oracle: that cache, which the tests above hold to
+    transformers): one token at a time, in verify blocks, beside another row's prefill, and
+    past gemma's sliding window, where a long chunk reads the ring's older slots."""
+    model = _bf16_invariant(folders[family][0])
+    assert model.kv_dtype() == torch.bfloat16 and model.new_cache().allocate(8).keys[0].dtype == torch.bfloat16
+    prompt = [5, 9, 14, 22, 31, 40]
+    cont = [7, 1, 60, 33, 12, 90, 45, 8, 19, 27, 3, 55]
+    new_cache = model.new_cache
+
+    def logits(rollback):  # rollback 2: gemma's rings of 8 + 2 slots, which a 12-token chunk outgrows
+        model.new_cache = lambda: new_cache(max_rollback=rollback)
+        out = [_logits_of(model, prompt, cont, c) for c in ([1] * 12, [9, 3], [12], [2, 5, 5])]
+        return out + [_logits_of(model, prompt, cont, [3, 9], beside=[2, 4, 6, 8, 10, 12, 14])]
+
+    narrow = logits(64) + logits(2)
+    model.kv_dtype = lambda: torch.float32  # what every CPU cache was before
+    assert new_cache().allocate(8).keys[0].dtype == torch.float32
+    wide = logits(64) + logits(2)
+    for a, b in zip(narrow, wide):
+        assert torch.equal(a, b)
+
+
 FORCED_BF16 = {
     "bf16amx": lambda mod: mod.bf16amx() or "no AMX-BF16 on this CPU (or the OS refused the tile state)",
     "bf16cols": lambda mod: mod.isa() >= 1 or "bf16cols needs AVX2 or AVX-512F (this CPU has neither)",
@@ -267,7 +292,8 @@ def test_profile_prints_the_plan(folders, capsys):
     from verispec.engine.step_costs import SIZES
 
     sps = out[out.index("SPS table"):].splitlines()
-    assert [int(line.split()[0]) for line in sps[2 : 2 + len(SIZES)]] == list(SIZES)
+    header = next(i for i, line in enumerate(sps) if line.split()[:1] == ["tokens"])  # after a busy machine's note
+    assert [int(line.split()[0]) for line in sps[header + 1 : header + 1 + len(SIZES)]] == list(SIZES)
     assert "as 8 rows of 1" in out
 
 

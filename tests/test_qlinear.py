@@ -344,6 +344,42 @@ def test_cache_write_and_attention_in_one_op(mod):
     assert torch.equal(cache_k[:, 2], k_new[0])
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+def test_attention_over_bf16_keys_and_values_gives_the_float32_bits(mod, head_dim):
+    # the oracle: the same kernel over float32 K/V holding the same (bf16) numbers, which
+    # test_attention_is_softmax_attention_and_batch_invariant checks against SDPA
+    g = torch.Generator().manual_seed(7 + head_dim)
+    heads, kv_heads, keys, n = 4, 2, 45, 5
+    q = torch.randn(n, heads, head_dim, generator=g)
+    k = torch.randn(kv_heads, keys, head_dim, generator=g).bfloat16()
+    v = torch.randn(kv_heads, keys, head_dim, generator=g).bfloat16()
+    mask = torch.arange(keys)[None, :] <= torch.arange(keys - n, keys)[:, None]
+    for m in (mask, None):
+        wide = mod.attention(q, k.float(), v.float(), m, head_dim**-0.5)
+        assert torch.equal(mod.attention(q, k, v, m, head_dim**-0.5), wide)
+    with pytest.raises(RuntimeError, match="must both be float32 or both bfloat16"):
+        mod.attention(q, k, v.float(), None, 1.0)
+
+
+def test_cache_write_and_attention_over_a_bf16_cache(mod):
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, D, slots = 4, 1, 256, 12
+    cache_k = torch.randn(kv_heads, slots, D, generator=g).bfloat16()
+    cache_v = torch.randn(kv_heads, slots, D, generator=g).bfloat16()
+    wide_k, wide_v = cache_k.float(), cache_v.float()
+    q = torch.randn(3, heads, D, generator=g).bfloat16()
+    k_new = torch.randn(3, kv_heads, D, generator=g).bfloat16()
+    v_new = torch.randn(3, kv_heads, D, generator=g).bfloat16()
+    mask = torch.arange(9)[None, :] <= torch.arange(6, 9)[:, None]
+    expected = mod.attend_cached(q, k_new, v_new, wide_k, wide_v, 6, 9, mask, 0.0625)
+    out = mod.attend_cached(q, k_new, v_new, cache_k, cache_v, 6, 9, mask, 0.0625)
+    assert cache_k.dtype == torch.bfloat16 and torch.equal(cache_k.float(), wide_k) and torch.equal(cache_v.float(), wide_v)
+    assert torch.equal(out, expected)
+    # a ring write of bf16 rows into the bf16 cache
+    mod.attend_cached(q[:1], k_new[1:2], v_new[1:2], cache_k, cache_v, slots + 3, slots, None, 0.0625)
+    assert torch.equal(cache_k[:, 3], k_new[1]) and torch.equal(cache_v[:, 3], v_new[1])
+
+
 def test_rope_and_silu_mul_helpers(mod):
     from verispec.models.config import RopeArgs
     from verispec.models.decoder import RotaryTable, apply_rope

@@ -472,6 +472,56 @@ def test_two_level_draw_never_lands_past_a_block_when_its_sum_rounds_up(monkeypa
     assert int(sampling.inverse_cdf_draw(weights, make_generator(0), block=4)[0]) == 1
 
 
+def _grid_counts(row: torch.Tensor, draws: int) -> torch.Tensor:
+    """How often draw_rows gives each token for the uniforms (i + 0.5) / draws, i < draws."""
+    uniforms = ((torch.arange(draws, dtype=torch.float64) + 0.5) / draws)[:, None]
+    return torch.bincount(sampling.draw_rows(row.expand(draws, -1), uniforms), minlength=row.shape[0])
+
+
+@pytest.mark.parametrize("width", [60, 5037, 40_000])
+def test_draw_rows_is_the_inverse_cdf_of_the_rows_softmax(width, monkeypatch):
+    """Oracle: the softmax of the row in float64. An exact inverse CDF over evenly spaced
+    uniforms gives token j between draws * P(<= j-1) and draws * P(<= j) of them, so each
+    count is draws * p_j within one. Rows cut to a few blocks of columns (top-k, a top-p
+    nucleus, one token) take the compact route; a whole row and one cut to many scattered
+    tokens the full-width one; widths with a short last block (5037, 60) too. A token at -inf
+    is never drawn."""
+    draws = 3000
+    g = torch.Generator().manual_seed(width)
+    logits = torch.randn(width, generator=g) * 2
+    rows = {"whole": logits}
+    for k in (1, 5, 40):
+        rows[f"top-{k}"] = logits.masked_fill(logits < logits.topk(k).values[-1], -math.inf)
+    scattered = torch.full((width,), -math.inf)
+    scattered[::7] = logits[::7]  # every 7th token: more blocks than the compact route takes
+    rows["scattered"] = scattered
+    edge = torch.full((width,), -math.inf)
+    edge[[0, width - 1]] = torch.tensor([0.3, -0.2])  # the first and the last column
+    rows["edges"] = edge
+    full_width = []
+    inverse_cdf_draw = sampling.inverse_cdf_draw
+    monkeypatch.setattr(sampling, "inverse_cdf_draw", lambda *a, **k: full_width.append(name) or inverse_cdf_draw(*a, **k))
+    for name, row in rows.items():
+        exact = torch.softmax(row.double(), dim=-1)
+        counts = _grid_counts(row, draws)
+        assert counts[exact == 0].sum() == 0, name
+        assert (counts.double() - draws * exact).abs().max() <= 1.0 + 1e-6, name
+    # under 4096 columns every row takes the full width; above, up to 64 blocks of 256 are compact
+    assert full_width == (list(rows) if width < 4096 else ["whole", "scattered"] if width > 64 * 256 else [])
+
+
+def test_a_cut_rows_draw_does_not_depend_on_its_batch_mates():
+    """A row takes the compact or the full-width route by its own entries: beside a whole row
+    (full width), a row of a 7-token cut draws what it draws alone, for every uniform."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 262_144 // 8, generator=g) * 3
+    cut = logits[0].masked_fill(logits[0] < logits[0].topk(7).values[-1], -math.inf)
+    uniforms = torch.rand(400, 1, generator=g, dtype=torch.float64)
+    alone = sampling.draw_rows(cut.expand(400, -1), uniforms)
+    mixed = sampling.draw_rows(torch.stack([cut, logits[1]]).repeat(400, 1), uniforms.repeat_interleave(2, 0))
+    assert torch.equal(mixed[0::2], alone)
+
+
 def test_sampled_row_without_generator_is_an_error():
     params = SamplingParams(temperature=1.0)
     with pytest.raises(ValueError, match="generator"):

@@ -188,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    from verispec.allocator import keep_large_blocks
+
+    keep_large_blocks()  # before the model loads: every large tensor after it can reuse freed blocks
     try:
         return _dispatch(args)
     except KeyboardInterrupt:

@@ -613,10 +613,33 @@ inline __m128 reduce4f(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
   return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), z));
 }
 
-// DV = head_dim / 16 vectors: q and the output accumulator stay in registers
-template <int DV>
+// K / V elements of the attention kernels: float32, or bfloat16 bits (uint16_t) widened on
+// load. A bf16 value widens to float32 exactly, so a bf16 cache holding a bf16 model's K/V
+// gives the same bits as a float32 cache holding the same numbers, at half the bytes read.
+template <typename KV>
+inline float kv_load1(const KV* p) {
+  if constexpr (std::is_same_v<KV, float>) return *p;
+  else { uint32_t b = (uint32_t)*p << 16; float f; std::memcpy(&f, &b, 4); return f; }
+}
+
+template <typename KV>
 __attribute__((target("avx512f,avx512bw,fma")))
-void attend_one_512(const float* q, const float* K, const float* V, const bool* allow, int64_t S, float scale,
+inline __m512 kv_load16(const KV* p) {
+  if constexpr (std::is_same_v<KV, float>) return _mm512_loadu_ps(p);
+  else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+template <typename KV>
+__attribute__((target("avx2,fma")))
+inline __m256 kv_load8(const KV* p) {
+  if constexpr (std::is_same_v<KV, float>) return _mm256_loadu_ps(p);
+  else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+// DV = head_dim / 16 vectors: q and the output accumulator stay in registers
+template <int DV, typename KV>
+__attribute__((target("avx512f,avx512bw,fma")))
+void attend_one_512(const float* q, const KV* K, const KV* V, const bool* allow, int64_t S, float scale,
                     float* scores, float* out) {
   constexpr int64_t D = DV * 16;
   __m512 qv[DV];
@@ -630,14 +653,14 @@ void attend_one_512(const float* q, const float* K, const float* V, const bool* 
     for (int c = 0; c < 4; c++) {
       a[c] = _mm512_setzero_ps();
 #pragma GCC unroll 16
-      for (int d = 0; d < DV; d++) a[c] = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(K + (j + c) * D + d * 16), a[c]);
+      for (int d = 0; d < DV; d++) a[c] = _mm512_fmadd_ps(qv[d], kv_load16(K + (j + c) * D + d * 16), a[c]);
     }
     _mm_storeu_ps(scores + j, _mm_mul_ps(reduce4f(a[0], a[1], a[2], a[3]), _mm_set1_ps(scale)));
   }
   for (; j < S; j++) {
     __m512 a = _mm512_setzero_ps();
 #pragma GCC unroll 16
-    for (int d = 0; d < DV; d++) a = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(K + j * D + d * 16), a);
+    for (int d = 0; d < DV; d++) a = _mm512_fmadd_ps(qv[d], kv_load16(K + j * D + d * 16), a);
     scores[j] = hsum512(a) * scale;
   }
   float mx = -INFINITY;
@@ -659,20 +682,21 @@ void attend_one_512(const float* q, const float* K, const float* V, const bool* 
     sum += w;
     const __m512 vw = _mm512_set1_ps(w);
 #pragma GCC unroll 16
-    for (int d = 0; d < DV; d++) acc[d] = _mm512_fmadd_ps(vw, _mm512_loadu_ps(V + jj * D + d * 16), acc[d]);
+    for (int d = 0; d < DV; d++) acc[d] = _mm512_fmadd_ps(vw, kv_load16(V + jj * D + d * 16), acc[d]);
   }
   const __m512 inv = _mm512_set1_ps(1.0f / sum);
 #pragma GCC unroll 16
   for (int d = 0; d < DV; d++) _mm512_storeu_ps(out + d * 16, _mm512_mul_ps(acc[d], inv));
 }
 
-void attend_one_scalar(const float* q, const float* K, const float* V, const bool* allow, int64_t S, int64_t D,
+template <typename KV>
+void attend_one_scalar(const float* q, const KV* K, const KV* V, const bool* allow, int64_t S, int64_t D,
                        float scale, float* scores, float* out) {
   // the AVX-512 path's operations, one lane at a time (D a multiple of 16)
   for (int64_t j = 0; j < S; j++) {
     float acc[16] = {0};
     for (int64_t d = 0; d < D; d += 16)
-      for (int l = 0; l < 16; l++) acc[l] = std::fma(q[d + l], K[j * D + d + l], acc[l]);
+      for (int l = 0; l < 16; l++) acc[l] = std::fma(q[d + l], kv_load1(K + j * D + d + l), acc[l]);
     float s8[8], s4[4], s2[2];
     for (int l = 0; l < 8; l++) s8[l] = acc[l] + acc[l + 8];
     for (int l = 0; l < 4; l++) s4[l] = s8[l] + s8[l + 4];
@@ -688,7 +712,7 @@ void attend_one_scalar(const float* q, const float* K, const float* V, const boo
   for (int64_t j = 0; j < S; j++) {
     if (allow && !allow[j]) continue;
     sum += scores[j];
-    for (int64_t d = 0; d < D; d++) out[d] = std::fma(scores[j], V[j * D + d], out[d]);
+    for (int64_t d = 0; d < D; d++) out[d] = std::fma(scores[j], kv_load1(V + j * D + d), out[d]);
   }
   const float inv = 1.0f / sum;
   for (int64_t d = 0; d < D; d++) out[d] *= inv;
@@ -1093,18 +1117,18 @@ inline __m256 exp_poly256(__m256 x) {
 // attend_one_512 on AVX2: each 16-lane vector of that path is a pair of 8-lane halves
 // (lanes 0..7, 8..15) reduced by hsum_2x256, the same tree; weights and the V sums are
 // per element in slot order as there. So both paths give the same bits.
-template <int DV>
+template <int DV, typename KV>
 __attribute__((target("avx2,fma")))
-void attend_one_256(const float* q, const float* K, const float* V, const bool* allow, int64_t S, float scale,
+void attend_one_256(const float* q, const KV* K, const KV* V, const bool* allow, int64_t S, float scale,
                     float* scores, float* out) {
   constexpr int64_t D = DV * 16;
   for (int64_t j = 0; j < S; j++) {
-    const float* kj = K + j * D;
+    const KV* kj = K + j * D;
     __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
 #pragma GCC unroll 16
     for (int d = 0; d < DV; d++) {
-      lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + d * 16), _mm256_loadu_ps(kj + d * 16), lo);
-      hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + d * 16 + 8), _mm256_loadu_ps(kj + d * 16 + 8), hi);
+      lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + d * 16), kv_load8(kj + d * 16), lo);
+      hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + d * 16 + 8), kv_load8(kj + d * 16 + 8), hi);
     }
     scores[j] = hsum_2x256(lo, hi) * scale;
   }
@@ -1126,7 +1150,7 @@ void attend_one_256(const float* q, const float* K, const float* V, const bool* 
     sum += w;
     const __m256 vw = _mm256_set1_ps(w);
 #pragma GCC unroll 32
-    for (int d = 0; d < 2 * DV; d++) acc[d] = _mm256_fmadd_ps(vw, _mm256_loadu_ps(V + jj * D + d * 8), acc[d]);
+    for (int d = 0; d < 2 * DV; d++) acc[d] = _mm256_fmadd_ps(vw, kv_load8(V + jj * D + d * 8), acc[d]);
   }
   const __m256 inv = _mm256_set1_ps(1.0f / sum);
 #pragma GCC unroll 32
@@ -1636,7 +1660,8 @@ torch::Tensor qlinear16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
 }
 
 // attention over the first S keys of caches holding `stride` slots per KV head
-torch::Tensor attention_strided(torch::Tensor q, const float* kp, const float* vp, int64_t G, int64_t S, int64_t stride,
+template <typename KV>
+torch::Tensor attention_strided(torch::Tensor q, const KV* kp, const KV* vp, int64_t G, int64_t S, int64_t stride,
                                 int64_t D, c10::optional<torch::Tensor> mask, double scale) {
   q = q.contiguous();
   const int64_t n = q.size(0), H = q.size(1);
@@ -1661,30 +1686,36 @@ torch::Tensor attention_strided(torch::Tensor q, const float* kp, const float* v
       const float* qi = qp + (i * H + h) * D;
       const bool* allow = mp ? mp + i * S : nullptr;
       float* oi = op + (i * H + h) * D;
-      const float* kg = kp + g * stride * D;
-      const float* vg = vp + g * stride * D;
-      if (wide && D == 64) attend_one_512<4>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
-      else if (wide && D == 128) attend_one_512<8>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
-      else if (wide && D == 256) attend_one_512<16>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
-      else if (avx2 && D == 64) attend_one_256<4>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
-      else if (avx2 && D == 128) attend_one_256<8>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
-      else if (avx2 && D == 256) attend_one_256<16>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
+      const KV* kg = kp + g * stride * D;
+      const KV* vg = vp + g * stride * D;
+      if (wide && D == 64) attend_one_512<4, KV>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
+      else if (wide && D == 128) attend_one_512<8, KV>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
+      else if (wide && D == 256) attend_one_512<16, KV>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
+      else if (avx2 && D == 64) attend_one_256<4, KV>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
+      else if (avx2 && D == 128) attend_one_256<8, KV>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
+      else if (avx2 && D == 256) attend_one_256<16, KV>(qi, kg, vg, allow, S, (float)scale, scores.data(), oi);
       else attend_one_scalar(qi, kg, vg, allow, S, D, (float)scale, scores.data(), oi);
     }
   });
   return out;
 }
 
-// q [n, H, D], k and v [G, S, D] float32 (G KV heads, H a multiple of G), mask [n, S]
-// bool (true = attend) or undefined (every key); returns [n, H, D] float32
+// q [n, H, D] float32, k and v [G, S, D] float32 or bfloat16 (both the same; G KV heads, H a
+// multiple of G), mask [n, S] bool (true = attend) or undefined (every key); returns [n, H, D]
+// float32, computed in float32 either way
 torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
                         double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q [n, H, D], k and v [G, S, D]");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
-              v.scalar_type() == torch::kFloat32, "attention runs in float32");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32, "attention runs in float32");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
+              (k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kBFloat16),
+              "k and v must both be float32 or both bfloat16");
   k = k.contiguous();
   v = v.contiguous();
   TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == q.size(2), "shape mismatch");
+  if (k.scalar_type() == torch::kBFloat16)
+    return attention_strided(q, (const uint16_t*)k.data_ptr(), (const uint16_t*)v.data_ptr(), k.size(0), k.size(1),
+                             k.size(1), k.size(2), mask, scale);
   return attention_strided(q, k.data_ptr<float>(), v.data_ptr<float>(), k.size(0), k.size(1), k.size(1), k.size(2),
                            mask, scale);
 }
@@ -1996,22 +2027,31 @@ torch::Tensor attend_cached(torch::Tensor q, torch::Tensor k_new, torch::Tensor 
                             torch::Tensor cache_v, int64_t start, int64_t n_view, c10::optional<torch::Tensor> mask,
                             double scale) {
   TORCH_CHECK(cache_k.is_contiguous() && cache_v.is_contiguous(), "caches must be contiguous");
+  const auto kind = cache_k.scalar_type();
+  TORCH_CHECK(cache_v.scalar_type() == kind && (kind == torch::kFloat32 || kind == torch::kBFloat16),
+              "caches must both be float32 or both bfloat16");
   const int64_t n = k_new.size(0), G = k_new.size(1), D = k_new.size(2), S = cache_k.size(1);
-  k_new = k_new.to(torch::kFloat32).contiguous();
-  v_new = v_new.to(torch::kFloat32).contiguous();
-  float* ck = cache_k.data_ptr<float>();
-  float* cv = cache_v.data_ptr<float>();
-  const float* kn = k_new.data_ptr<float>();
-  const float* vn = v_new.data_ptr<float>();
+  TORCH_CHECK(n_view <= S, "n_view beyond the cache");
+  // the new rows in the cache's dtype (exact where they hold that dtype's numbers: a bf16
+  // model's K/V in a bf16 cache), copied slot by slot
+  k_new = k_new.to(kind).contiguous();
+  v_new = v_new.to(kind).contiguous();
+  const int64_t bytes = D * (int64_t)cache_k.element_size();
+  char* ck = (char*)cache_k.data_ptr();
+  char* cv = (char*)cache_v.data_ptr();
+  const char* kn = (const char*)k_new.data_ptr();
+  const char* vn = (const char*)v_new.data_ptr();
   for (int64_t i = 0; i < n; i++) {
     const int64_t slot = (start + i) % S;
     for (int64_t g = 0; g < G; g++) {
-      std::memcpy(ck + (g * S + slot) * D, kn + (i * G + g) * D, D * 4);
-      std::memcpy(cv + (g * S + slot) * D, vn + (i * G + g) * D, D * 4);
+      std::memcpy(ck + (g * S + slot) * bytes, kn + (i * G + g) * bytes, bytes);
+      std::memcpy(cv + (g * S + slot) * bytes, vn + (i * G + g) * bytes, bytes);
     }
   }
-  TORCH_CHECK(n_view <= S, "n_view beyond the cache");
-  return attention_strided(q.to(torch::kFloat32), ck, cv, G, n_view, S, D, mask, scale);
+  if (kind == torch::kBFloat16)
+    return attention_strided(q.to(torch::kFloat32), (const uint16_t*)ck, (const uint16_t*)cv, G, n_view, S, D, mask,
+                             scale);
+  return attention_strided(q.to(torch::kFloat32), (const float*)ck, (const float*)cv, G, n_view, S, D, mask, scale);
 }
 
 int64_t isa() { return best_isa(); }
@@ -2036,7 +2076,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm", &rmsnorm, "RMSNorm of rows ([normed]), or of x + residual ([normed, sum])");
   m.def("gelu_mul", &gelu_mul, "gelu_tanh(gate) * up of a fused gate_up output");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up output");
-  m.def("attend_cached", &attend_cached, "write a row's K/V into its cache, then attend (float32)");
+  m.def("attend_cached", &attend_cached, "write a row's K/V into its cache (float32 or bfloat16), then attend in float32");
   m.def("attention", &attention, "attention computed per (query, head), batch-invariant");
   m.def("bf16dot", &bf16dot, "whether the AVX512-BF16 kernel runs here");
   m.def("bf16amx", &bf16amx, "whether the AMX-BF16 kernel runs here (CPU and kernel permission)");

@@ -200,11 +200,17 @@ class Decoder(nn.Module):
         return table
 
     def kv_dtype(self) -> torch.dtype:
-        """float32 KV on CPU whatever the weights: PyTorch's bf16 SDPA for one query row
-        is 3.5x (100 keys) to 5.6x (1000 keys) slower than float32's here, and bf16
-        values upcast exactly, so the cache holds the same numbers at twice the bytes.
-        On GPU the cache follows the weights."""
-        return torch.float32 if self.device.type == "cpu" else self.dtype
+        """The KV cache's dtype. On GPU it follows the weights. On CPU: the weights' bf16 where
+        verispec's attention kernel reads the cache (`prepare(attention="invariant")`): it widens
+        bf16 K/V to float32 on load, exactly, so the cache holds the same numbers as a float32 one
+        in half the bytes, and attention gives the same bits (tests/test_kernels.py). Float32
+        otherwise: PyTorch's bf16 SDPA for one query row is 3.5x (100 keys) to 5.6x (1000 keys)
+        slower than float32's here."""
+        if self.device.type != "cpu":
+            return self.dtype
+        if self.dtype == torch.bfloat16 and self._fused is not None:
+            return torch.bfloat16
+        return torch.float32
 
     def new_cache(self, max_rollback: int = DEFAULT_MAX_ROLLBACK) -> KVCache:
         return KVCache(self.args, dtype=self.kv_dtype(), device=self.device, max_rollback=max_rollback)
@@ -479,7 +485,9 @@ class Decoder(nn.Module):
         if self.attention_kernel == "invariant":
             from verispec import kernels
 
-            return kernels.load().attention(q, keys, values, mask, scale).to(self.dtype)
+            return kernels.load().attention(q.float(), keys, values, mask, scale).to(self.dtype)
+        if keys.dtype != q.dtype:  # a cache another model wrote in its own kv_dtype (the gemma4 assistant's)
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask, scale=scale,
             enable_gqa=True)[0]  # [heads, n, D]
