@@ -693,7 +693,7 @@ def draw_rows(rows: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     draws the same token whatever rows share its batch."""
     n, width = rows.shape
     if width < 16 * DRAW_SCAN_BLOCK:  # a small vocabulary: the full width costs little, the scan more
-        return inverse_cdf_draw(rows.softmax(dim=-1), uniforms=uniforms)
+        return _draw_full_width(rows, uniforms)
     block = DRAW_SCAN_BLOCK
     whole = width // block * block
     maxima = rows[:, :whole].reshape(n, -1, block).amax(dim=-1)
@@ -705,9 +705,7 @@ def draw_rows(rows: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     out = torch.empty(n, dtype=torch.long, device=rows.device)
     if not bool(compact.all()):
         wide = (~compact).nonzero().squeeze(1)
-        # torch's softmax, not exp(x - max): its exp stays fast where most of a row underflows
-        # (a low temperature), where torch.exp took 3-30x longer (stage 10)
-        out[wide] = inverse_cdf_draw(rows.index_select(0, wide).softmax(dim=-1), uniforms=uniforms[wide])
+        out[wide] = _draw_full_width(rows.index_select(0, wide), uniforms[wide])
         if not bool(compact.any()):
             return out
     picked = compact.nonzero().squeeze(1)
@@ -732,6 +730,12 @@ def draw_rows(rows: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     entry = torch.searchsorted(cdf, target, right=True).clamp_max_(span - 1)
     out[picked] = cols.gather(1, entry).squeeze(1)
     return out
+
+
+def _draw_full_width(rows: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    # torch's softmax, not exp(x - max): its exp stays fast where most of a row underflows
+    # (a low temperature), where torch.exp took 3-30x longer (stage 10)
+    return inverse_cdf_draw(rows.softmax(dim=-1), uniforms=uniforms)
 
 
 # Entries per block of the two-level CDF below: on Gemma's 262,144-entry rows a float64

@@ -1700,6 +1700,14 @@ torch::Tensor attention_strided(torch::Tensor q, const KV* kp, const KV* vp, int
   return out;
 }
 
+// attention_strided over K/V of either element type (`kind`: float32, or bfloat16 bits)
+torch::Tensor attention_of(torch::Tensor q, const void* kp, const void* vp, torch::ScalarType kind, int64_t G,
+                           int64_t S, int64_t stride, int64_t D, c10::optional<torch::Tensor> mask, double scale) {
+  if (kind == torch::kBFloat16)
+    return attention_strided(q, (const uint16_t*)kp, (const uint16_t*)vp, G, S, stride, D, mask, scale);
+  return attention_strided(q, (const float*)kp, (const float*)vp, G, S, stride, D, mask, scale);
+}
+
 // q [n, H, D] float32, k and v [G, S, D] float32 or bfloat16 (both the same; G KV heads, H a
 // multiple of G), mask [n, S] bool (true = attend) or undefined (every key); returns [n, H, D]
 // float32, computed in float32 either way
@@ -1713,11 +1721,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   k = k.contiguous();
   v = v.contiguous();
   TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == q.size(2), "shape mismatch");
-  if (k.scalar_type() == torch::kBFloat16)
-    return attention_strided(q, (const uint16_t*)k.data_ptr(), (const uint16_t*)v.data_ptr(), k.size(0), k.size(1),
-                             k.size(1), k.size(2), mask, scale);
-  return attention_strided(q, k.data_ptr<float>(), v.data_ptr<float>(), k.size(0), k.size(1), k.size(1), k.size(2),
-                           mask, scale);
+  return attention_of(q, k.data_ptr(), v.data_ptr(), k.scalar_type(), k.size(0), k.size(1), k.size(1), k.size(2), mask,
+                      scale);
 }
 
 // ---------------------------------------------------------------------------- decode-step helpers
@@ -2048,10 +2053,7 @@ torch::Tensor attend_cached(torch::Tensor q, torch::Tensor k_new, torch::Tensor 
       std::memcpy(cv + (g * S + slot) * bytes, vn + (i * G + g) * bytes, bytes);
     }
   }
-  if (kind == torch::kBFloat16)
-    return attention_strided(q.to(torch::kFloat32), (const uint16_t*)ck, (const uint16_t*)cv, G, n_view, S, D, mask,
-                             scale);
-  return attention_strided(q.to(torch::kFloat32), (const float*)ck, (const float*)cv, G, n_view, S, D, mask, scale);
+  return attention_of(q.to(torch::kFloat32), ck, cv, kind, G, n_view, S, D, mask, scale);
 }
 
 int64_t isa() { return best_isa(); }

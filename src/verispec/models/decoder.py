@@ -203,7 +203,7 @@ class Decoder(nn.Module):
         """The KV cache's dtype. On GPU it follows the weights. On CPU: the weights' bf16 where
         verispec's attention kernel reads the cache (`prepare(attention="invariant")`): it widens
         bf16 K/V to float32 on load, exactly, so the cache holds the same numbers as a float32 one
-        in half the bytes, and attention gives the same bits (tests/test_kernels.py). Float32
+        in half the bytes, and attention gives the same bits (tests/test_qlinear.py, tests/test_kernel_plan.py). Float32
         otherwise: PyTorch's bf16 SDPA for one query row is 3.5x (100 keys) to 5.6x (1000 keys)
         slower than float32's here."""
         if self.device.type != "cpu":
