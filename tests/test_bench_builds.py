@@ -1,0 +1,39 @@
+"""bench/datagen_builds.py runs each build from the source git holds for it: checked against
+`git show` (the oracle for what a revision's files are), and a name git does not know is refused."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("datagen_builds", ROOT / "bench" / "datagen_builds.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _git(*args: str) -> bytes:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, check=True).stdout
+
+
+def test_a_revision_runs_from_the_files_git_holds_for_it():
+    bench = _bench()
+    commit = bench.resolve("HEAD")
+    assert commit == _git("rev-parse", "HEAD").decode().strip()
+    src = bench.export(commit)
+    assert src != ROOT / "src"
+    for path in ("src/verispec/__init__.py", "src/verispec/engine/sampling.py", "src/verispec/kernels/qlinear.cpp"):
+        assert (src.parent / path).read_bytes() == _git("show", f"{commit}:{path}")
+    assert bench.export(".") == ROOT / "src"  # '.': this checkout as it stands
+
+
+def test_a_name_git_does_not_know_is_refused():
+    with pytest.raises(SystemExit, match="not a git revision"):
+        _bench().resolve("no-such-revision-xyz")
