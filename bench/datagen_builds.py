@@ -73,7 +73,11 @@ def datagen(src: Path, argv: list[str], threads: int) -> float:
 
 
 def answers(path: Path) -> dict[str, list[int]]:
-    return {r["id"]: r["answer_ids"] for r in map(json.loads, path.read_text().splitlines()) if "answer_ids" in r}
+    """Each answered record's token ids by id (datagen's own reader: lines end at "\n" only, as
+    an answer may hold U+2028; a left-out record has no answer)."""
+    from verispec.training.dspark.features import read_records
+
+    return {r["id"]: r["answer_ids"] for r in read_records(path, min_loss_tokens=0) if "answer_ids" in r}
 
 
 def main() -> int:

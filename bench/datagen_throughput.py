@@ -58,6 +58,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from verispec.models.kernel_plan import cpu_name
+    from verispec.training.dspark.features import read_records
 
     batches = [int(b) for b in args.batches.split(",")]
     plans = [k.strip() for k in args.kernels.split(",") if k.strip()]
@@ -71,7 +72,9 @@ def main() -> int:
                 out = Path(tmp) / f"{plan}-{batch}.jsonl"
                 seconds = run([*common, "--kernels", plan, "--batch", str(batch), "--out", str(out),
                                "--max-minutes", str(args.minutes)]) - setup
-                records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+                # datagen's own reader (lines end at "\n" only: an answer may hold U+2028); a
+                # record left out for quoting an eval prompt has no answer to count
+                records = [r for r in read_records(out, min_loss_tokens=0) if "answer_ids" in r]
                 tokens = sum(len(r["answer_ids"]) for r in records)
                 row = {"kernels": plan, "batch": batch, "answers": len(records), "tokens": tokens,
                        "seconds": round(seconds, 1), "answers_per_hour": round(len(records) * 3600 / seconds),

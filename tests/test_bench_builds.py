@@ -37,3 +37,16 @@ def test_a_revision_runs_from_the_files_git_holds_for_it():
 def test_a_name_git_does_not_know_is_refused():
     with pytest.raises(SystemExit, match="not a git revision"):
         _bench().resolve("no-such-revision-xyz")
+
+
+def test_answers_are_read_as_datagen_writes_them(tmp_path):
+    """Records as datagen writes them (json.dumps, ensure_ascii=False, one per "\\n"-ended line): an
+    answer holding U+2028 stays one record, and a left-out record counts as no answer."""
+    import json
+
+    records = [{"id": "a", "answer": "one\u2028two", "answer_ids": [1, 2, 3]},
+               {"id": "b", "left_out": "shares an 8-word run with an eval prompt"},
+               {"id": "c", "answer": "three", "answer_ids": [4]}]
+    path = tmp_path / "answers.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    assert _bench().answers(path) == {"a": [1, 2, 3], "c": [4]}
