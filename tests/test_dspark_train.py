@@ -3,7 +3,8 @@
 datagen -> features -> train through the CLI; the loss goes down; an interrupted run
 resumed from its checkpoint ends with exactly the weights of an uninterrupted one; two
 processes under torchrun (gloo, DistributedDataParallel) end with the weights of one
-process with the same global batch; the trained checkpoint loads as a drafter.
+process with the same global batch; the trained checkpoint loads as a drafter; validation's
+walked greedy tau is what live T=0 decoding keeps.
 """
 
 from __future__ import annotations
@@ -56,10 +57,17 @@ def _weights(folder: Path) -> dict:
     return {k: v for k, v in load_file(str(folder / "trainer" / "state.safetensors")).items() if k.startswith("param.")}
 
 
-def test_training_lowers_the_loss_and_the_checkpoint_serves(features, tmp_path, capsys):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def trained(features, tmp_path_factory):
+    """A drafter trained 80 steps on the fixture's answers (its run folder)."""
+    out = tmp_path_factory.mktemp("dspark-trained") / "run"
     assert main(["dspark", "train", "--features", str(features), "--out", str(out), *TRAIN, "--steps", "80",
                  "--lr", "3e-3", "--save-every", "80"]) == 0
+    return out
+
+
+def test_training_lowers_the_loss_and_the_checkpoint_serves(trained, capsys):
+    out = trained
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first, last = sum(r["loss"] for r in rows[:4]) / 4, sum(r["loss"] for r in rows[-4:]) / 4
     assert last < 0.7 * first, (first, last)
@@ -694,3 +702,36 @@ def test_newest_and_replayed_features_are_the_whole_folders_samples(features, tm
     assert main([*common[:5], str(answers), *common[6:], "--out", str(tmp_path / "z"), "--newest", "2"]) != 0
     assert "a pack's records" in capsys.readouterr().err
     assert not any((tmp_path / name).exists() for name in "xyz"), "a refused call leaves no folder"
+
+
+def test_the_walked_validation_tau_is_what_live_greedy_decoding_keeps(features, trained):
+    """train's `tau_walk_greedy` (training/dspark/walk.py) against its oracle, live T=0 decoding
+    with full blocks every round: the held-out sequences are the target's own greedy answers,
+    so each teacher-forced block is the block live decoding drafts at that anchor."""
+    from verispec.drafting.dspark.checkpoint import load_dspark
+    from verispec.drafting.dspark.source import DSparkProvider
+    from verispec.engine.request import GenerationRequest
+    from verispec.engine.sampling import SamplingParams
+    from verispec.models.loader import load_model
+    from verispec.training.dspark.features import TargetFeatures
+    from verispec.training.dspark.live import make_engine
+    from verispec.training.dspark.train import validate
+
+    target = load_model(str(ORACLE / "target"), dtype=torch.float32)
+    drafter = load_dspark(trained / (trained / "latest").read_text().strip(), target=target)
+    engine = make_engine(target, DSparkProvider(drafter), adaptive=False, num_draft_tokens=drafter.block_size,
+                         verify_schedule="cost")
+    records, emitted, rounds = [], 0.0, 0
+    for line in (features.parent / "answers.jsonl").read_text().splitlines()[:8]:
+        prompt_ids = json.loads(line)["prompt_ids"]
+        result = engine.generate(GenerationRequest(prompt_ids, 40, SamplingParams(temperature=0.0)))
+        answer = [t for t in result.token_ids if t not in target.stop_ids]
+        records.append({"prompt_ids": prompt_ids, "answer_ids": answer})
+        spec = result.speculation
+        emitted += spec["mean_accepted_length"] * spec["rounds"]
+        rounds += spec["rounds"]
+    live = emitted / rounds
+    samples = TargetFeatures([records], target, [0, 2, 4], "float32")
+    val = validate(drafter, samples, range(len(records)), None, 16, None, 0)
+    assert live > 1.3, "the trained drafter keeps drafts: the comparison has something to compare"
+    assert abs(val["tau_walk_greedy"] - live) < 0.01 * live, (val, live)  # 2.0957 against 2.0956 when written

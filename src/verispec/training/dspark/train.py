@@ -31,6 +31,10 @@
   computed on the fly from datagen's records (`--data`: a target forward per sequence per
   epoch, no disk; features.TargetFeatures), the same samples either way.
 
+* Validation (held-out sequences, `--holdout`): the uniform teacher-forced acceptance DeepSpec
+  reports, and the same answers walked as live decoding walks them (walk.py: a block at every
+  anchor, each round starting after what the last kept), which is what live tau follows.
+
 * `--init-from` starts a run from a drafter's weights (warm_start): a fresh optimizer and
   schedule over them, validated at step 0, so a committed drafter is the campaign's state
   between sessions.
@@ -38,8 +42,9 @@
 Checked by tests/test_dspark_train.py: the loss goes down on a small cache, a resumed
 run continues exactly where it stopped, a warm restart starts from the drafter's exact
 weights and refuses a drafter that reads other taps, 2 processes under torchrun end with the same
-weights as 1 process with the same global batch, and training on the fly ends with the
-weights of training on the cache.
+weights as 1 process with the same global batch, training on the fly ends with the
+weights of training on the cache, and the walked greedy tau of the target's own greedy answers
+is the tau live T=0 decoding keeps on them.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from verispec.errors import UserError
+from verispec.training.dspark import walk
 from verispec.training.dspark.forward import block_labels, sample_anchors, train_forward
 from verispec.training.dspark.loss import dspark_loss, weight_sums
 from verispec.training.dspark.precision import training_precision
@@ -567,7 +573,8 @@ def validate_holdout(run: TrainRun) -> None:
     with (run.out / "validation.jsonl").open("a") as f:
         f.write(json.dumps({"step": run.step, **val}) + "\n")
     print(f"validation at step {run.step}: teacher-forced acceptance {val['accept_by_position']} "
-          f"tau {val['tau_probabilistic']:.3f}", file=sys.stderr, flush=True)
+          f"tau {val['tau_probabilistic']:.3f}; walked as live decoding walks: tau {val['tau_walk']:.3f} "
+          f"(T=1), {val['tau_walk_greedy']:.3f} (T=0)", file=sys.stderr, flush=True)
 
 
 def run_train(args) -> int:
@@ -602,7 +609,7 @@ def validate(drafter, cache, indices, target_head, anchors: int, vocab_ids, seed
     tau_probabilistic, the loss module's analytic acceptance at temperature 1."""
     was_training = drafter.training
     drafter.eval()
-    accept, weight, taus = None, 0.0, []
+    accept, weight, taus, walk_sums = None, 0.0, [], None
     for index in indices:
         sample = cache[index]
         a, keep = sample_anchors(sample.loss_mask, anchors, torch.Generator().manual_seed(seed + index))
@@ -615,9 +622,28 @@ def validate(drafter, cache, indices, target_head, anchors: int, vocab_ids, seed
         weight += n
         if terms.tau_probabilistic == terms.tau_probabilistic:
             taus.append(terms.tau_probabilistic)
+        walked = _walk(drafter, sample, target_head, vocab_ids)
+        walk_sums = walked if walk_sums is None else [x + y for x, y in zip(walk_sums, walked)]
     drafter.train(was_training)
+    tokens, rounds, greedy_rounds = walk_sums or (0.0, 0.0, 0.0)
     return {"accept_by_position": [round(float(x), 4) for x in accept / max(weight, 1)],
-            "tau_probabilistic": sum(taus) / max(len(taus), 1), "sequences": len(indices)}
+            "tau_probabilistic": sum(taus) / max(len(taus), 1), "sequences": len(indices),
+            "tau_walk": tokens / rounds if rounds else math.nan,
+            "tau_walk_greedy": tokens / greedy_rounds if greedy_rounds else math.nan}
+
+
+def _walk(drafter, sample, target_head, vocab_ids) -> list[float]:
+    """(tokens, expected rounds at T=1, rounds at T=0) of walk.py's live-like walk over every
+    anchor of one held-out sequence."""
+    anchors, keep = walk.all_anchors(sample.loss_mask)
+    if not len(anchors):
+        return [0.0, 0.0, 0.0]
+    out = train_forward(drafter, sample.input_ids[None], sample.taps[None], sample.loss_mask[None], anchors[None],
+                        keep[None], sample.last_hidden[None], target_head, sample.lse[None])
+    c_star = dspark_loss(out, draft_vocab_ids=vocab_ids).per_token["c_star"] * out.eval_mask
+    tokens, rounds = walk.walk_tau(c_star[0], anchors, sample.loss_mask)
+    _, greedy_rounds = walk.walk_tau(walk.greedy_matches(out, vocab_ids)[0].float(), anchors, sample.loss_mask)
+    return [tokens, rounds, greedy_rounds]
 
 
 def _record(step, epoch, lr, grad_norm, totals, world, tokens, seconds) -> dict:
