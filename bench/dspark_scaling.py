@@ -153,6 +153,8 @@ def run_point(p: dict, args, features: dict, eval_dir: Path, deadline: float) ->
     row = json.loads((run / "measure" / "measure.json").read_text())["rows"][0]
     record = {**p, "batch": args.batch, "tau_teacher_forced": round(val["tau_probabilistic"], 3),
               "accept_by_position": val["accept_by_position"], "tau_live_t0": round(row["tau"], 3),
+              # the held-out answers walked as live decoding walks them (stage 33; older points lack it)
+              **({"tau_teacher_forced_walked_t0": round(val["tau_walk_greedy"], 3)} if "tau_walk_greedy" in val else {}),
               # the rows the draft head has (a vocabulary smaller than asked when the data uses fewer tokens)
               "draft_vocab_rows": _draft_rows(last),
               "live_prompts": args.live, "live_policy": "fixed-draft", "train_minutes_this_run": round(train_minutes, 1),
