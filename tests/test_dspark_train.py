@@ -735,3 +735,8 @@ def test_the_walked_validation_tau_is_what_live_greedy_decoding_keeps(features, 
     val = validate(drafter, samples, range(len(records)), None, 16, None, 0)
     assert live > 1.3, "the trained drafter keeps drafts: the comparison has something to compare"
     assert abs(val["tau_walk_greedy"] - live) < 0.01 * live, (val, live)  # 2.0957 against 2.0956 when written
+    # validation drafts the blocks in chunks of anchors: the same walk as all of them at once
+    from verispec.training.dspark.train import _walk
+
+    assert _walk(drafter, samples[0], None, None, chunk=5) == pytest.approx(
+        _walk(drafter, samples[0], None, None, chunk=10_000), rel=1e-5)

@@ -606,7 +606,9 @@ def run_train(args) -> int:
 @torch.no_grad()
 def validate(drafter, cache, indices, target_head, anchors: int, vocab_ids, seed: int) -> dict:
     """Teacher-forced acceptance on held-out sequences (fixed anchors): mean c* per slot and
-    tau_probabilistic, the loss module's analytic acceptance at temperature 1."""
+    tau_probabilistic, the loss module's analytic acceptance at temperature 1; and tau_walk /
+    tau_walk_greedy, the same sequences walked as live decoding walks them at T=1 and T=0
+    (walk.py; tokens over rounds, summed over the sequences)."""
     was_training = drafter.training
     drafter.eval()
     accept, weight, taus, walk_sums = None, 0.0, [], None
@@ -632,17 +634,22 @@ def validate(drafter, cache, indices, target_head, anchors: int, vocab_ids, seed
             "tau_walk_greedy": tokens / greedy_rounds if greedy_rounds else math.nan}
 
 
-def _walk(drafter, sample, target_head, vocab_ids) -> list[float]:
+def _walk(drafter, sample, target_head, vocab_ids, chunk: int = 128) -> list[float]:
     """(tokens, expected rounds at T=1, rounds at T=0) of walk.py's live-like walk over every
-    anchor of one held-out sequence."""
+    anchor of one held-out sequence. A block sees only the context before its anchor, so the
+    anchors go through in chunks (`chunk` blocks of vocabulary-wide logits at a time) with
+    the same values as all at once."""
     anchors, keep = walk.all_anchors(sample.loss_mask)
     if not len(anchors):
         return [0.0, 0.0, 0.0]
-    out = train_forward(drafter, sample.input_ids[None], sample.taps[None], sample.loss_mask[None], anchors[None],
-                        keep[None], sample.last_hidden[None], target_head, sample.lse[None])
-    c_star = dspark_loss(out, draft_vocab_ids=vocab_ids).per_token["c_star"] * out.eval_mask
-    tokens, rounds = walk.walk_tau(c_star[0], anchors, sample.loss_mask)
-    _, greedy_rounds = walk.walk_tau(walk.greedy_matches(out, vocab_ids)[0].float(), anchors, sample.loss_mask)
+    c_star, greedy = [], []
+    for part, kept in zip(anchors.split(chunk), keep.split(chunk)):
+        out = train_forward(drafter, sample.input_ids[None], sample.taps[None], sample.loss_mask[None], part[None],
+                            kept[None], sample.last_hidden[None], target_head, sample.lse[None])
+        c_star.append((dspark_loss(out, draft_vocab_ids=vocab_ids).per_token["c_star"] * out.eval_mask)[0])
+        greedy.append(walk.greedy_matches(out, vocab_ids)[0].float())
+    tokens, rounds = walk.walk_tau(torch.cat(c_star), anchors, sample.loss_mask)
+    _, greedy_rounds = walk.walk_tau(torch.cat(greedy), anchors, sample.loss_mask)
     return [tokens, rounds, greedy_rounds]
 
 
