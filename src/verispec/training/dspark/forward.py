@@ -127,12 +127,16 @@ def block_labels(input_ids, loss_mask, anchors, keep, block_size: int):
     return target_ids, eval_mask.int().cumprod(dim=-1).bool(), safe
 
 
+def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Every position i with loss_mask[i] and loss_mask[i + 1] (the anchor and its first
+    label are answer tokens), ascending."""
+    return ((loss_mask[:-1] > 0.5) & (loss_mask[1:] > 0.5)).nonzero().flatten()
+
+
 def sample_anchors(loss_mask: torch.Tensor, count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSpec's sampler for one sequence: up to `count` distinct positions i with
-    loss_mask[i] and loss_mask[i + 1] (the anchor and its first label are answer tokens),
+    """DeepSpec's sampler for one sequence: up to `count` distinct `anchor_candidates`,
     uniformly without replacement, sorted; the unused slots are 0 and not kept."""
-    valid = (loss_mask[:-1] > 0.5) & (loss_mask[1:] > 0.5)
-    candidates = valid.nonzero().flatten()
+    candidates = anchor_candidates(loss_mask)
     chosen = candidates[torch.randperm(len(candidates), generator=generator)[:count]].sort().values
     anchors = torch.zeros(count, dtype=torch.long)
     keep = torch.zeros(count, dtype=torch.bool)

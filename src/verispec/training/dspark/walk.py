@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from verispec.training.dspark.forward import anchor_candidates
+
 
 def answer_segments(loss_mask: torch.Tensor) -> list[tuple[int, int]]:
     """[(start, end)) of each run of answer positions (loss_mask > 0.5) at least 2 long."""
@@ -50,12 +52,12 @@ def walk_rounds(accept: torch.Tensor, start: int, end: int) -> float:
     c = accept.double()
     keep_first = torch.cumprod(torch.cat([torch.ones(n - 1, 1, dtype=c.dtype), c], dim=1), dim=1)  # P(a >= j)
     p_exact = keep_first[:, :-1] * (1 - c)  # P(a = j), j < gamma
-    p_exact = torch.cat([p_exact, keep_first[:, -1:]], dim=1)  # P(a = gamma)
+    p_exact = torch.cat([p_exact, keep_first[:, -1:]], dim=1).tolist()  # P(a = gamma) last
     rounds = [0.0] * n
     for row in range(n - 2, -1, -1):
         total = 1.0
         for a in range(gamma + 1):
-            p = float(p_exact[row, a])
+            p = p_exact[row][a]
             if p:
                 total += p * rounds[min(row + a + 1, n - 1)]
         rounds[row] = total
@@ -78,9 +80,9 @@ def walk_tau(accept_by_anchor: torch.Tensor, anchors: torch.Tensor, loss_mask: t
 
 
 def all_anchors(loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every valid anchor (the anchor and its first label are answer tokens), as
-    `forward.sample_anchors` lays them out: (anchors, keep)."""
-    anchors = ((loss_mask[:-1] > 0.5) & (loss_mask[1:] > 0.5)).nonzero().flatten()
+    """Every valid anchor (`forward.anchor_candidates`), as `forward.sample_anchors` lays
+    them out: (anchors, keep)."""
+    anchors = anchor_candidates(loss_mask)
     return anchors, torch.ones(len(anchors), dtype=torch.bool)
 
 
